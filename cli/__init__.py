@@ -1,0 +1,1 @@
+"""The ``outbox`` command line: a thin typer adapter over the library packages."""

@@ -1,0 +1,53 @@
+"""outbox-inbox: transactional outbox and inbox for PostgreSQL and Apache Kafka.
+
+Producer side::
+
+    from outbox import Outbox, OutboxSettings
+
+    ob = Outbox(OutboxSettings())           # reads OUTBOX_* once, passed explicitly
+    with Session(engine) as session, session.begin():
+        session.add(order)
+        ob.publish(session, topic="orders", key=str(order.id),
+                   event_type="order.created", payload=order_created)
+"""
+
+from outbox.canonical import canonical_json, idempotency_key
+from outbox.envelope import Message, uuid7
+from outbox.errors import (
+    BrokerUnavailable,
+    ConfigurationError,
+    DatabaseUnavailable,
+    InvalidIdentifier,
+    OutboxError,
+    PayloadError,
+    PayloadMismatch,
+    PayloadTooLarge,
+    SchemaMissing,
+    TopicMissing,
+)
+from outbox.producer import Outbox, outbox_for
+from outbox.settings import OutboxSettings, load_settings
+from outbox.tables import Tables, build_tables
+
+__all__ = [
+    "BrokerUnavailable",
+    "ConfigurationError",
+    "DatabaseUnavailable",
+    "InvalidIdentifier",
+    "Message",
+    "Outbox",
+    "OutboxError",
+    "OutboxSettings",
+    "PayloadError",
+    "PayloadMismatch",
+    "PayloadTooLarge",
+    "SchemaMissing",
+    "Tables",
+    "TopicMissing",
+    "build_tables",
+    "canonical_json",
+    "idempotency_key",
+    "load_settings",
+    "outbox_for",
+    "uuid7",
+]

@@ -1,0 +1,169 @@
+"""Turning a user's message into an outbox row: payload encoding, lanes, ids, checks.
+
+Everything here is pure (no I/O) so it is shared by the sync and async publish paths and
+unit-tested without a database.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import BaseModel
+from pydantic_core import PydanticSerializationError, to_json
+
+from outbox import identifiers
+from outbox.errors import PayloadError, PayloadTooLarge
+
+JSON = "application/json"
+OCTET_STREAM = "application/octet-stream"
+# Headers the relay writes itself (CloudEvents Kafka binding, binary mode).
+RESERVED_HEADERS = frozenset(
+    {"ce_id", "ce_type", "ce_source", "ce_time", "ce_specversion", "content-type"}
+)
+
+Payload = BaseModel | Mapping[str, Any] | list[Any] | bytes | bytearray | memoryview
+
+
+@dataclass(frozen=True)
+class Message:
+    """One event to publish. ``publish_many`` takes a list of these."""
+
+    topic: str
+    payload: Payload
+    event_type: str
+    key: str | bytes | None = None
+    event_id: uuid.UUID | str | None = None
+    headers: Mapping[str, str] = field(default_factory=dict)
+    source: str | None = None
+    delay_seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class Row:
+    """A validated, encoded outbox row (column values, minus server defaults)."""
+
+    event_id: uuid.UUID
+    topic: str
+    key: bytes | None
+    lane: int
+    event_type: str
+    source: str
+    content_type: str
+    payload: bytes
+    headers: str  # JSON text of a str -> str mapping
+    fingerprint: bytes
+    delay_seconds: float
+
+
+def uuid7() -> uuid.UUID:
+    """A time-ordered UUID (RFC 9562 version 7): 48-bit ms timestamp + 74 random bits."""
+    ms = time.time_ns() // 1_000_000
+    raw = bytearray(ms.to_bytes(6, "big") + os.urandom(10))
+    raw[6] = (raw[6] & 0x0F) | 0x70
+    raw[8] = (raw[8] & 0x3F) | 0x80
+    return uuid.UUID(bytes=bytes(raw))
+
+
+def lane_for(key: bytes | None, event_id: uuid.UUID, lanes: int) -> int:
+    """The ordering lane of a key: a stable hash, identical in every process and version.
+
+    Keyless events carry no ordering promise, so they spread over lanes by event id.
+    """
+    material = key if key is not None else event_id.bytes
+    return int.from_bytes(hashlib.blake2b(material, digest_size=8).digest(), "big") % lanes
+
+
+def encode_payload(payload: Payload) -> tuple[bytes, str]:
+    """Payload bytes and their content type. Pydantic models serialize themselves."""
+    if isinstance(payload, bytes | bytearray | memoryview):
+        return bytes(payload), OCTET_STREAM
+    if isinstance(payload, BaseModel):
+        return payload.model_dump_json().encode(), JSON
+    if isinstance(payload, Mapping | list):
+        try:
+            return to_json(payload), JSON
+        except PydanticSerializationError as exc:
+            raise PayloadError(f"payload is not JSON-serializable: {exc}") from None
+    raise PayloadError(
+        "payload must be a pydantic model, a dict or list (JSON) or bytes, "
+        f"not {type(payload).__name__}"
+    )
+
+
+def _encode_key(key: str | bytes | None) -> bytes | None:
+    if key is None or isinstance(key, bytes):
+        return key
+    if isinstance(key, str):
+        return key.encode()
+    raise PayloadError(f"key must be str, bytes or None, not {type(key).__name__}")
+
+
+def _event_id(value: uuid.UUID | str | None) -> uuid.UUID:
+    if value is None:
+        return uuid7()
+    if isinstance(value, uuid.UUID):
+        return value
+    try:
+        return uuid.UUID(str(value))
+    except ValueError:
+        raise PayloadError(
+            f"event_id {value!r} is not a UUID; derive one with outbox.idempotency_key()"
+        ) from None
+
+
+def _headers(headers: Mapping[str, str]) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for name, value in headers.items():
+        if not isinstance(name, str) or not isinstance(value, str):
+            raise PayloadError("headers must map str to str")
+        if name.lower() in RESERVED_HEADERS:
+            raise PayloadError(f"header {name!r} is reserved: the relay sets it from the row")
+        out[name] = value
+    return out
+
+
+def _fingerprint(topic: str, key: bytes | None, event_type: str, payload: bytes) -> bytes:
+    h = hashlib.sha256()
+    for part in (topic.encode(), key, event_type.encode(), payload):
+        # Length-prefix each part so that ("ab", "c") and ("a", "bc") differ; -1 marks None.
+        h.update((-1 if part is None else len(part)).to_bytes(8, "big", signed=True))
+        h.update(part or b"")
+    return h.digest()
+
+
+def prepare(
+    message: Message, *, lanes: int, max_bytes: int, default_source: str
+) -> Row:
+    """Validate and encode one message; raises a :class:`PayloadError` subclass if bad."""
+    identifiers.kafka_name(message.topic, "topic")
+    if not message.event_type or len(message.event_type) > 255:
+        raise PayloadError("event_type must be a non-empty string of at most 255 characters")
+    if message.delay_seconds < 0:
+        raise PayloadError("delay_seconds must not be negative")
+    payload, content_type = encode_payload(message.payload)
+    key = _encode_key(message.key)
+    headers = _headers(message.headers)
+    size = len(payload) + len(key or b"") + sum(len(k) + len(v) for k, v in headers.items())
+    if size > max_bytes:
+        raise PayloadTooLarge(size, max_bytes)
+    event_id = _event_id(message.event_id)
+    return Row(
+        event_id=event_id,
+        topic=message.topic,
+        key=key,
+        lane=lane_for(key, event_id, lanes),
+        event_type=message.event_type,
+        source=message.source or default_source,
+        content_type=content_type,
+        payload=payload,
+        headers=json.dumps(headers, separators=(",", ":")),
+        fingerprint=_fingerprint(message.topic, key, message.event_type, payload),
+        delay_seconds=float(message.delay_seconds),
+    )

@@ -1,0 +1,82 @@
+"""The one exception tree of outbox-inbox.
+
+Every error the framework raises derives from :class:`OutboxError`. Each carries a
+``retriable`` flag (as aiokafka's errors do) so callers and the retry toolkit can tell a
+transient failure (broker down, serialization conflict) from one that will fail the same
+way forever (bad payload, bad config). Messages never include secrets or payload bytes.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+
+class OutboxError(Exception):
+    """Base of every error raised by outbox-inbox."""
+
+    retriable: bool = False
+
+
+class ConfigurationError(OutboxError):
+    """Settings are invalid (bad DSN, bad identifier, impossible limits)."""
+
+
+class InvalidIdentifier(ConfigurationError):
+    """A schema, table prefix, topic or consumer name is not a safe identifier."""
+
+
+class SchemaMissing(OutboxError):
+    """The framework's tables do not exist in the configured schema."""
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(f"{detail}; run `outbox db upgrade` to create the outbox tables")
+
+
+class PayloadError(OutboxError):
+    """A payload, key or header cannot be published as given."""
+
+
+class PayloadTooLarge(PayloadError):
+    """The encoded record exceeds ``max_payload_bytes``."""
+
+    def __init__(self, size: int, limit: int) -> None:
+        super().__init__(
+            f"record is {size} bytes, over the limit of {limit} bytes "
+            "(OUTBOX_MAX_PAYLOAD_BYTES; Kafka's default max.message.bytes is 1 MiB)"
+        )
+        self.size = size
+        self.limit = limit
+
+
+class PayloadMismatch(OutboxError):
+    """An ``event_id`` was reused with a different topic, key, type or payload."""
+
+    def __init__(self, event_id: uuid.UUID | str) -> None:
+        super().__init__(
+            f"event_id {event_id} was already published with a different payload; "
+            "an event_id must identify exactly one event"
+        )
+        self.event_id = str(event_id)
+
+
+class DatabaseUnavailable(OutboxError):
+    """The database could not be reached or the connection dropped."""
+
+    retriable = True
+
+
+class BrokerUnavailable(OutboxError):
+    """Kafka could not be reached or did not acknowledge in time."""
+
+    retriable = True
+
+
+class TopicMissing(OutboxError):
+    """A topic does not exist; the framework never relies on auto-creation."""
+
+    def __init__(self, topic: str) -> None:
+        super().__init__(
+            f"Kafka topic {topic!r} does not exist; create it (the framework never relies on "
+            "topic auto-creation)"
+        )
+        self.topic = topic

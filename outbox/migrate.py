@@ -1,0 +1,68 @@
+"""Programmatic access to the shipped migrations (what ``outbox db`` runs)."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+from alembic import command
+from alembic.config import Config
+from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
+
+from outbox.db import sync_engine, translated_errors
+from outbox.migrations.naming import version_table
+from outbox.settings import OutboxSettings
+
+_SCRIPTS = Path(__file__).parent / "migrations"
+
+
+def alembic_config(
+    settings: OutboxSettings | None = None, stdout: io.TextIOBase | None = None
+) -> Config:
+    # Offline (--sql) output goes to output_buffer; command messages to stdout.
+    config = Config(output_buffer=stdout, stdout=stdout) if stdout is not None else Config()
+    config.set_main_option("script_location", str(_SCRIPTS))
+    if settings is not None:
+        config.attributes["settings"] = settings
+    return config
+
+
+def upgrade(settings: OutboxSettings, revision: str = "head") -> None:
+    """Create or update the framework's tables (idempotent)."""
+    with translated_errors():
+        command.upgrade(alembic_config(settings), revision)
+
+
+def downgrade(settings: OutboxSettings, revision: str) -> None:
+    with translated_errors():
+        command.downgrade(alembic_config(settings), revision)
+
+
+def sql(settings: OutboxSettings, revision: str = "head") -> str:
+    """The DDL of the migrations up to ``revision``, for users who run their own."""
+    out = io.StringIO()
+    command.upgrade(alembic_config(settings, stdout=out), revision, sql=True)  # type: ignore[arg-type]
+    return out.getvalue()
+
+
+def head() -> str:
+    """The newest revision shipped with this version of the package."""
+    return str(ScriptDirectory.from_config(alembic_config()).get_current_head())
+
+
+def current(settings: OutboxSettings) -> str | None:
+    """The revision the database is at, or None when the tables were never created."""
+    engine = sync_engine(settings, pool_pre_ping=False)
+    try:
+        with translated_errors(), engine.connect() as conn:
+            ctx = MigrationContext.configure(
+                conn,
+                opts={
+                    "version_table": version_table(settings),
+                    "version_table_schema": settings.db_schema,
+                },
+            )
+            return ctx.get_current_revision()
+    finally:
+        engine.dispose()

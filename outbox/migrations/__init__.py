@@ -1,0 +1,1 @@
+"""Shipped Alembic migrations. Run them with ``outbox db upgrade`` (see outbox.migrate)."""

@@ -1,0 +1,166 @@
+"""Publishing events inside the caller's transaction.
+
+``publish`` never commits, never opens a connection and never talks to Kafka: it adds one
+INSERT to the transaction the caller already has open, so the event exists if and only if
+the caller's domain writes commit. The relay publishes it later.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterable, Mapping, Sequence
+from functools import cache
+
+from sqlalchemy import Connection
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
+from sqlalchemy.orm import Session
+
+from outbox import envelope
+from outbox.db import translated_errors
+from outbox.envelope import Message, Payload, Row
+from outbox.errors import PayloadMismatch
+from outbox.settings import OutboxSettings
+from outbox.store import ProducerStore
+from outbox.tables import build_tables
+
+SyncExecutor = Session | Connection
+AsyncExecutor = AsyncSession | AsyncConnection
+
+
+class Outbox:
+    """The producer front: ``publish`` / ``publish_many``, sync and async.
+
+    >>> ob = Outbox(OutboxSettings())
+    >>> with Session(engine) as session, session.begin():       # doctest: +SKIP
+    ...     session.add(Order(id=42, total=990))
+    ...     ob.publish(session, topic="orders", key="42", event_type="order.created",
+    ...                payload={"order_id": 42, "total": 990})
+    """
+
+    def __init__(self, settings: OutboxSettings) -> None:
+        self.settings = settings
+        self.tables = build_tables(settings)
+        self._store = ProducerStore(self.tables)
+
+    # -- preparation and checks shared by both paths (no I/O) --------------------------
+    def _prepare(self, messages: Iterable[Message]) -> list[Row]:
+        s = self.settings
+        return [
+            envelope.prepare(
+                m, lanes=s.lanes, max_bytes=s.max_payload_bytes, default_source=s.default_source
+            )
+            for m in messages
+        ]
+
+    @staticmethod
+    def _not_inserted(rows: Sequence[Row], inserted: Iterable[uuid.UUID]) -> list[uuid.UUID]:
+        done = set(inserted)
+        return [r.event_id for r in rows if r.event_id not in done]
+
+    @staticmethod
+    def _check_duplicates(
+        rows: Sequence[Row], stored: Iterable[tuple[uuid.UUID, bytes]]
+    ) -> None:
+        # A duplicate event_id is a no-op only when it describes the same event; the same
+        # id inside one batch with two payloads is caught here too.
+        stored_by_id = {event_id: fingerprint for event_id, fingerprint in stored}
+        for row in rows:
+            existing = stored_by_id.get(row.event_id)
+            if existing is not None and existing != row.fingerprint:
+                raise PayloadMismatch(row.event_id)
+
+    # -- sync ---------------------------------------------------------------------------
+    def publish_many(self, session: SyncExecutor, messages: Iterable[Message]) -> list[uuid.UUID]:
+        """Add all ``messages`` to the caller's transaction in one statement.
+
+        Returns their event ids in order. Duplicates of events still in the outbox are
+        no-ops; a reused event_id with a different payload raises :class:`PayloadMismatch`.
+        """
+        rows = self._prepare(messages)
+        if not rows:
+            return []
+        with translated_errors():
+            result = session.execute(self._store.insert_rows, self._store.insert_params(rows))
+            missing = self._not_inserted(rows, result.scalars())
+            if missing or len({r.event_id for r in rows}) != len(rows):
+                stored = session.execute(self._store.fingerprints([r.event_id for r in rows]))
+                self._check_duplicates(rows, stored)
+        return [r.event_id for r in rows]
+
+    def publish(
+        self,
+        session: SyncExecutor,
+        *,
+        topic: str,
+        payload: Payload,
+        event_type: str,
+        key: str | bytes | None = None,
+        event_id: uuid.UUID | str | None = None,
+        headers: Mapping[str, str] | None = None,
+        source: str | None = None,
+        delay_seconds: float = 0.0,
+    ) -> uuid.UUID:
+        """Add one event to the caller's open transaction; returns its event id."""
+        message = Message(
+            topic=topic,
+            payload=payload,
+            event_type=event_type,
+            key=key,
+            event_id=event_id,
+            headers=headers or {},
+            source=source,
+            delay_seconds=delay_seconds,
+        )
+        return self.publish_many(session, [message])[0]
+
+    # -- async --------------------------------------------------------------------------
+    async def publish_many_async(
+        self, session: AsyncExecutor, messages: Iterable[Message]
+    ) -> list[uuid.UUID]:
+        """Async :meth:`publish_many` for ``AsyncSession`` / ``AsyncConnection``."""
+        rows = self._prepare(messages)
+        if not rows:
+            return []
+        with translated_errors():
+            result = await session.execute(
+                self._store.insert_rows, self._store.insert_params(rows)
+            )
+            missing = self._not_inserted(rows, result.scalars())
+            if missing or len({r.event_id for r in rows}) != len(rows):
+                stored = await session.execute(
+                    self._store.fingerprints([r.event_id for r in rows])
+                )
+                self._check_duplicates(rows, stored)
+        return [r.event_id for r in rows]
+
+    async def publish_async(
+        self,
+        session: AsyncExecutor,
+        *,
+        topic: str,
+        payload: Payload,
+        event_type: str,
+        key: str | bytes | None = None,
+        event_id: uuid.UUID | str | None = None,
+        headers: Mapping[str, str] | None = None,
+        source: str | None = None,
+        delay_seconds: float = 0.0,
+    ) -> uuid.UUID:
+        """Async :meth:`publish`."""
+        message = Message(
+            topic=topic,
+            payload=payload,
+            event_type=event_type,
+            key=key,
+            event_id=event_id,
+            headers=headers or {},
+            source=source,
+            delay_seconds=delay_seconds,
+        )
+        return (await self.publish_many_async(session, [message]))[0]
+
+
+@cache
+def outbox_for(settings: OutboxSettings) -> Outbox:
+    """The :class:`Outbox` of a settings object (settings are frozen, hence hashable)."""
+    return Outbox(settings)

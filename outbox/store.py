@@ -1,0 +1,108 @@
+"""The producer side's SQL, in one place. Nothing else in ``outbox`` builds statements.
+
+Inserts go through ``unnest`` so that one statement carries any number of rows with a
+fixed number of bind parameters (a multi-row VALUES list would hit PostgreSQL's 65,535
+parameter limit at a few thousand rows). ``WITH ORDINALITY ... ORDER BY`` keeps the
+identity values in the caller's order, which is the publish order inside a lane.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
+
+from sqlalchemy import (
+    Float,
+    Insert,
+    LargeBinary,
+    Select,
+    SmallInteger,
+    Text,
+    bindparam,
+    cast,
+    column,
+    func,
+    literal_column,
+    select,
+)
+from sqlalchemy.dialects.postgresql import ARRAY, JSONB, UUID, insert
+
+from outbox.envelope import Row
+from outbox.tables import Tables
+
+_UNNEST_COLUMNS: tuple[tuple[str, Any], ...] = (
+    ("event_id", UUID(as_uuid=True)),
+    ("topic", Text()),
+    ("key", LargeBinary()),
+    ("lane", SmallInteger()),
+    ("event_type", Text()),
+    ("source", Text()),
+    ("content_type", Text()),
+    ("payload", LargeBinary()),
+    ("headers", Text()),
+    ("fingerprint", LargeBinary()),
+    ("delay_seconds", Float()),
+)
+
+
+@dataclass(frozen=True)
+class ProducerStore:
+    tables: Tables
+
+    @cached_property
+    def insert_rows(self) -> Insert:
+        """INSERT ... SELECT FROM unnest(arrays) ON CONFLICT (event_id) DO NOTHING."""
+        events = self.tables.events
+        src = (
+            func.unnest(*(bindparam(name, type_=ARRAY(t)) for name, t in _UNNEST_COLUMNS))
+            .table_valued(*(column(name) for name, _ in _UNNEST_COLUMNS), with_ordinality="ord")
+            .render_derived(name="m")
+        )
+        rows = select(
+            src.c.event_id,
+            src.c.topic,
+            src.c.key,
+            src.c.lane,
+            src.c.event_type,
+            src.c.source,
+            src.c.content_type,
+            src.c.payload,
+            cast(src.c.headers, JSONB),
+            src.c.fingerprint,
+            func.now() + src.c.delay_seconds * literal_column("interval '1 second'"),
+        ).order_by(src.c.ord)
+        return (
+            insert(events)
+            .from_select(
+                [
+                    "event_id",
+                    "topic",
+                    "key",
+                    "lane",
+                    "event_type",
+                    "source",
+                    "content_type",
+                    "payload",
+                    "headers",
+                    "fingerprint",
+                    "available_at",
+                ],
+                rows,
+            )
+            .on_conflict_do_nothing(index_elements=["event_id"])
+            .returning(events.c.event_id)
+        )
+
+    @staticmethod
+    def insert_params(rows: Sequence[Row]) -> dict[str, list[Any]]:
+        return {name: [getattr(r, name) for r in rows] for name, _ in _UNNEST_COLUMNS}
+
+    def fingerprints(self, event_ids: Sequence[uuid.UUID]) -> Select[tuple[uuid.UUID, bytes]]:
+        """Stored fingerprints of already-present events (to detect a reused event_id)."""
+        events = self.tables.events
+        return select(events.c.event_id, events.c.fingerprint).where(
+            events.c.event_id.in_(event_ids)
+        )

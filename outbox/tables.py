@@ -1,0 +1,208 @@
+"""SQLAlchemy Core table definitions, built for a configured schema and table prefix.
+
+``build_tables(settings)`` returns a :class:`Tables` holding one ``MetaData``; users who
+keep their own Alembic history can add ``tables.metadata`` to their ``target_metadata``.
+The shipped migrations (``outbox/migrations``) create exactly these tables; a schema-drift
+test compares the two.
+
+Sections of this file belong to the package that uses the table: the outbox events table
+is core; the inbox, idempotency and relay tables are declared next to it so that one
+MetaData describes the whole database footprint.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cache
+
+from sqlalchemy import (
+    BigInteger,
+    Column,
+    DateTime,
+    Identity,
+    Index,
+    Integer,
+    LargeBinary,
+    MetaData,
+    SmallInteger,
+    Table,
+    Text,
+    text,
+)
+from sqlalchemy.dialects.postgresql import ARRAY, JSONB, UUID
+
+from outbox.settings import OutboxSettings
+
+# A high-churn queue table: vacuum it after ~1% of rows changed rather than PostgreSQL's
+# default 20%, so dead tuples from deleted (published) rows do not slow the claim scan.
+HOT_TABLE_STORAGE = {
+    "autovacuum_vacuum_scale_factor": "0.01",
+    "autovacuum_vacuum_threshold": "1000",
+    "autovacuum_vacuum_insert_scale_factor": "0.05",
+    "autovacuum_analyze_scale_factor": "0.02",
+    "autovacuum_vacuum_cost_limit": "2000",
+    "fillfactor": "90",
+}
+
+
+# PostgreSQL's own default names, so migrations, metadata and hand-written DDL agree.
+NAMING_CONVENTION = {
+    "pk": "%(table_name)s_pkey",
+    "uq": "%(table_name)s_%(column_0_N_name)s_key",
+    "fk": "%(table_name)s_%(column_0_N_name)s_fkey",
+    "ck": "%(table_name)s_%(constraint_name)s_check",
+    "ix": "%(table_name)s_%(column_0_N_name)s_idx",
+}
+
+
+@dataclass(frozen=True)
+class Tables:
+    metadata: MetaData
+    events: Table  # core: the outbox itself
+    failed: Table  # relay: rows Kafka rejected permanently, moved aside
+    relays: Table  # relay: live relay processes and the lanes they own
+    inbox: Table  # inbox: (consumer, event_id) processed, dead-lettered or skipped
+    idempotency: Table  # core: idempotent request records (the Stripe pattern)
+
+    @property
+    def schema(self) -> str | None:
+        return self.metadata.schema
+
+
+def _events(md: MetaData, prefix: str) -> Table:
+    name = f"{prefix}events"
+    return Table(
+        name,
+        md,
+        # Ordering inside a lane is by id. ids are assigned at INSERT, so a row with a lower
+        # id can become visible after a higher one; the relay never uses an id watermark.
+        Column("id", BigInteger, Identity(always=False), primary_key=True),
+        Column("event_id", UUID(as_uuid=True), nullable=False, unique=True),
+        Column("topic", Text, nullable=False),
+        Column("key", LargeBinary, nullable=True),
+        Column("lane", SmallInteger, nullable=False),
+        Column("event_type", Text, nullable=False),
+        Column("source", Text, nullable=False),
+        Column("content_type", Text, nullable=False),
+        Column("payload", LargeBinary, nullable=False),
+        Column("headers", JSONB, nullable=False, server_default=text("'{}'::jsonb")),
+        # SHA-256 over topic, key, type and payload: detects a reused event_id.
+        Column("fingerprint", LargeBinary, nullable=False),
+        Column("created_at", DateTime(timezone=True), nullable=False, server_default=text("now()")),
+        Column(
+            "available_at", DateTime(timezone=True), nullable=False, server_default=text("now()")
+        ),
+        Column("attempts", Integer, nullable=False, server_default=text("0")),
+        Column("last_error", Text, nullable=True),
+        Column("published_at", DateTime(timezone=True), nullable=True),
+        Index(
+            f"{name}_claim_idx",
+            "lane",
+            "id",
+            postgresql_where=text("published_at IS NULL"),
+        ),
+        # SQLAlchemy cannot express table storage parameters; the migration applies
+        # HOT_TABLE_STORAGE with ALTER TABLE ... SET and `outbox doctor` checks them.
+        info={"storage": HOT_TABLE_STORAGE},
+    )
+
+
+# ---------------------------------------------------------------- relay section
+
+
+def _failed(md: MetaData, prefix: str) -> Table:
+    return Table(
+        f"{prefix}failed",
+        md,
+        Column("id", BigInteger, primary_key=True),  # the id the row had in events
+        Column("event_id", UUID(as_uuid=True), nullable=False, unique=True),
+        Column("topic", Text, nullable=False),
+        Column("key", LargeBinary, nullable=True),
+        Column("lane", SmallInteger, nullable=False),
+        Column("event_type", Text, nullable=False),
+        Column("source", Text, nullable=False),
+        Column("content_type", Text, nullable=False),
+        Column("payload", LargeBinary, nullable=False),
+        Column("headers", JSONB, nullable=False),
+        Column("fingerprint", LargeBinary, nullable=False),
+        Column("created_at", DateTime(timezone=True), nullable=False),
+        Column("attempts", Integer, nullable=False),
+        Column("last_error", Text, nullable=True),
+        Column("failed_at", DateTime(timezone=True), nullable=False, server_default=text("now()")),
+    )
+
+
+def _relays(md: MetaData, prefix: str) -> Table:
+    return Table(
+        f"{prefix}relays",
+        md,
+        Column("relay_id", Text, primary_key=True),
+        Column("hostname", Text, nullable=False),
+        Column("pid", Integer, nullable=False),
+        Column("started_at", DateTime(timezone=True), nullable=False, server_default=text("now()")),
+        Column("heartbeat_at", DateTime(timezone=True), nullable=False, server_default=text("now()")),
+        Column("lanes", ARRAY(SmallInteger), nullable=False, server_default=text("'{}'")),
+    )
+
+
+# ---------------------------------------------------------------- inbox section
+
+
+def _inbox(md: MetaData, prefix: str) -> Table:
+    name = f"{prefix}inbox"
+    return Table(
+        name,
+        md,
+        Column("consumer", Text, primary_key=True),
+        Column("event_id", Text, primary_key=True),
+        Column("topic", Text, nullable=False),
+        Column("partition", Integer, nullable=False),
+        Column("offset", BigInteger, nullable=False),
+        Column("event_type", Text, nullable=True),
+        Column("status", Text, nullable=False),
+        Column("attempts", Integer, nullable=False, server_default=text("0")),
+        Column("last_error", Text, nullable=True),
+        Column("received_at", DateTime(timezone=True), nullable=False, server_default=text("now()")),
+        Column("processed_at", DateTime(timezone=True), nullable=True),
+        Index(f"{name}_processed_at_idx", "processed_at"),
+    )
+
+
+# ---------------------------------------------------------- idempotency section
+
+
+def _idempotency(md: MetaData, prefix: str) -> Table:
+    name = f"{prefix}idempotency_keys"
+    return Table(
+        name,
+        md,
+        Column("scope", Text, primary_key=True),
+        Column("key", Text, primary_key=True),
+        Column("payload_hash", Text, nullable=False),
+        Column("status", Text, nullable=False),
+        Column("response_status", Integer, nullable=True),
+        Column("response_headers", JSONB, nullable=True),
+        Column("response_body", LargeBinary, nullable=True),
+        Column("created_at", DateTime(timezone=True), nullable=False, server_default=text("now()")),
+        Column("expires_at", DateTime(timezone=True), nullable=False),
+        Column("locked_until", DateTime(timezone=True), nullable=True),
+        Index(f"{name}_expires_at_idx", "expires_at"),
+    )
+
+
+@cache
+def _build(schema: str, prefix: str) -> Tables:
+    md = MetaData(schema=schema, naming_convention=NAMING_CONVENTION)
+    return Tables(
+        metadata=md,
+        events=_events(md, prefix),
+        failed=_failed(md, prefix),
+        relays=_relays(md, prefix),
+        inbox=_inbox(md, prefix),
+        idempotency=_idempotency(md, prefix),
+    )
+
+
+def build_tables(settings: OutboxSettings) -> Tables:
+    """The tables for ``settings.db_schema`` / ``settings.table_prefix`` (cached)."""
+    return _build(settings.db_schema, settings.table_prefix)

@@ -1,0 +1,91 @@
+"""Shared fixtures. Each test session gets its own freshly migrated database, so parallel
+test runs against the same PostgreSQL never see each other's rows."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator, Awaitable
+
+import psycopg
+import pytest
+from sqlalchemy import Engine
+from sqlalchemy.engine import make_url
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from outbox import migrate
+from outbox.db import async_engine as make_async_engine
+from outbox.db import sync_engine
+from outbox.settings import OutboxSettings
+from tests.support import kafka as kafka_support
+from tests.support.services import Endpoints, ServiceUnavailable, endpoints
+
+
+@pytest.fixture(scope="session")
+def services() -> Iterator[Endpoints]:
+    try:
+        with endpoints() as found:
+            yield found
+    except ServiceUnavailable as exc:
+        pytest.fail(f"test services unavailable: {exc}", pytrace=False)
+
+
+def _admin_dsn(url: str, dbname: str) -> str:
+    return make_url(url).set(drivername="postgresql", database=dbname).render_as_string(
+        hide_password=False
+    )
+
+
+@pytest.fixture(scope="session")
+def database_url(services: Endpoints) -> Iterator[str]:
+    """A fresh database for this test session, dropped at the end."""
+    name = f"outbox_test_{os.getpid()}_{uuid.uuid4().hex[:6]}"
+    try:
+        admin = psycopg.connect(_admin_dsn(services.database_url, "postgres"), autocommit=True)
+    except psycopg.OperationalError as exc:
+        pytest.fail(
+            f"PostgreSQL ({services.how}) not reachable: {type(exc).__name__}; "
+            "start it with `scripts/services up`",
+            pytrace=False,
+        )
+    with admin:
+        admin.execute(f'CREATE DATABASE "{name}"')
+    yield make_url(services.database_url).set(database=name).render_as_string(hide_password=False)
+    with psycopg.connect(_admin_dsn(services.database_url, "postgres"), autocommit=True) as admin:
+        admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture(scope="session")
+def settings(database_url: str, services: Endpoints) -> OutboxSettings:
+    s = OutboxSettings(database_url=database_url, kafka_bootstrap_servers=services.kafka_bootstrap)  # type: ignore[arg-type]
+    migrate.upgrade(s)
+    return s
+
+
+@pytest.fixture(scope="session")
+def engine(settings: OutboxSettings) -> Iterator[Engine]:
+    e = sync_engine(settings, pool_size=10)
+    yield e
+    e.dispose()
+
+
+@pytest.fixture
+async def aengine(settings: OutboxSettings) -> AsyncIterator[AsyncEngine]:
+    e = make_async_engine(settings)
+    yield e
+    await e.dispose()
+
+
+@pytest.fixture
+def kafka_bootstrap(services: Endpoints) -> str:
+    return services.kafka_bootstrap
+
+
+@pytest.fixture
+def new_topic(kafka_bootstrap: str) -> Callable[..., Awaitable[str]]:
+    """``await new_topic(partitions=3)`` creates a uniquely named topic."""
+
+    async def make(partitions: int = 1, name: str | None = None) -> str:
+        return await kafka_support.create_topic(kafka_bootstrap, name, partitions)
+
+    return make

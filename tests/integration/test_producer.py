@@ -1,0 +1,211 @@
+"""The producer API against a real PostgreSQL: atomicity, duplicates, limits, errors."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+from pydantic import BaseModel
+from sqlalchemy import Column, Engine, Integer, MetaData, Table, Text, func, select, text
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
+from sqlalchemy.orm import Session
+
+from outbox import (
+    InvalidIdentifier,
+    Message,
+    Outbox,
+    OutboxSettings,
+    PayloadError,
+    PayloadMismatch,
+    PayloadTooLarge,
+    SchemaMissing,
+    idempotency_key,
+)
+
+pytestmark = pytest.mark.integration
+
+domain = MetaData()
+orders = Table("orders", domain, Column("id", Integer, primary_key=True), Column("note", Text))
+
+
+class OrderCreated(BaseModel):
+    order_id: int
+    total_cents: int
+
+
+@pytest.fixture(scope="module")
+def ob(settings: OutboxSettings, engine: Engine) -> Outbox:
+    domain.create_all(engine)
+    return Outbox(settings)
+
+
+def _count(engine: Engine, ob: Outbox, topic: str) -> int:
+    with engine.connect() as conn:
+        return conn.execute(
+            select(func.count()).select_from(ob.tables.events).where(ob.tables.events.c.topic == topic)
+        ).scalar_one()
+
+
+def _topic() -> str:
+    return f"orders-{uuid.uuid4().hex[:8]}"
+
+
+def test_publish_commits_with_domain_row(engine: Engine, ob: Outbox) -> None:
+    topic = _topic()
+    with Session(engine) as session, session.begin():
+        session.execute(orders.insert().values(id=1001, note="x"))
+        event_id = ob.publish(
+            session, topic=topic, key="1001", event_type="order.created",
+            payload=OrderCreated(order_id=1001, total_cents=990),
+        )
+    with engine.connect() as conn:
+        row = conn.execute(select(ob.tables.events).where(ob.tables.events.c.event_id == event_id)).one()
+        assert conn.execute(select(orders.c.id).where(orders.c.id == 1001)).scalar_one() == 1001
+    assert row.payload == b'{"order_id":1001,"total_cents":990}'
+    assert row.content_type == "application/json"
+    assert row.key == b"1001"
+    assert row.topic == topic
+    assert 0 <= row.lane < ob.settings.lanes
+    assert row.attempts == 0 and row.published_at is None
+
+
+def test_rollback_leaves_neither(engine: Engine, ob: Outbox) -> None:
+    topic = _topic()
+    with Session(engine) as session:
+        with session.begin():
+            session.execute(orders.insert().values(id=1002, note="x"))
+            ob.publish(session, topic=topic, event_type="order.created", payload={"id": 1002})
+            session.rollback()
+    assert _count(engine, ob, topic) == 0
+    with engine.connect() as conn:
+        assert conn.execute(select(orders.c.id).where(orders.c.id == 1002)).first() is None
+
+
+def test_publish_on_core_connection(engine: Engine, ob: Outbox) -> None:
+    topic = _topic()
+    with engine.begin() as conn:
+        ob.publish(conn, topic=topic, event_type="t", payload=b"\x00raw")
+    with engine.connect() as conn:
+        row = conn.execute(select(ob.tables.events).where(ob.tables.events.c.topic == topic)).one()
+    assert row.payload == b"\x00raw" and row.content_type == "application/octet-stream"
+
+
+async def test_async_session_and_connection(aengine: AsyncEngine, engine: Engine, ob: Outbox) -> None:
+    topic = _topic()
+    async with AsyncSession(aengine) as session, session.begin():
+        await session.execute(orders.insert().values(id=1003, note="async"))
+        await ob.publish_async(session, topic=topic, event_type="t", payload={"n": 1}, key="k")
+    async with aengine.begin() as conn:
+        await ob.publish_many_async(
+            conn, [Message(topic=topic, event_type="t", payload={"n": n}) for n in range(2, 5)]
+        )
+    async with AsyncSession(aengine) as session:
+        async with session.begin():
+            await ob.publish_async(session, topic=topic, event_type="t", payload={"n": 99})
+            await session.rollback()
+    assert _count(engine, ob, topic) == 4
+
+
+def test_publish_many_10k_rows_is_one_statement(engine: Engine, ob: Outbox) -> None:
+    topic = _topic()
+    messages = [
+        Message(topic=topic, event_type="t", key=f"k{n % 100}", payload={"n": n}) for n in range(10_000)
+    ]
+    statements: list[str] = []
+
+    from sqlalchemy import event
+
+    def count(conn, cursor, statement, params, context, executemany):  # type: ignore[no-untyped-def]
+        if "INSERT" in statement:
+            statements.append(statement)
+
+    event.listen(engine, "before_cursor_execute", count)
+    try:
+        with Session(engine) as session, session.begin():
+            ids = ob.publish_many(session, messages)
+    finally:
+        event.remove(engine, "before_cursor_execute", count)
+    assert len(statements) == 1
+    assert len(ids) == 10_000 and len(set(ids)) == 10_000
+    with engine.connect() as conn:
+        rows = conn.execute(
+            select(ob.tables.events.c.id, ob.tables.events.c.payload)
+            .where(ob.tables.events.c.topic == topic)
+            .order_by(ob.tables.events.c.id)
+        ).all()
+    # ids follow the caller's order: the relay publishes a lane in id order.
+    assert [r.payload for r in rows] == [f'{{"n":{n}}}'.encode() for n in range(10_000)]
+
+
+def test_duplicate_event_id_same_payload_is_a_noop(engine: Engine, ob: Outbox) -> None:
+    topic = _topic()
+    eid = idempotency_key("order", 7, "created")
+    for _ in range(3):
+        with Session(engine) as session, session.begin():
+            assert ob.publish(session, topic=topic, event_type="t", payload={"a": 1}, event_id=eid) == eid
+    assert _count(engine, ob, topic) == 1
+
+
+def test_duplicate_event_id_different_payload_raises(engine: Engine, ob: Outbox) -> None:
+    topic = _topic()
+    eid = uuid.uuid4()
+    with Session(engine) as session, session.begin():
+        ob.publish(session, topic=topic, event_type="t", payload={"a": 1}, event_id=eid)
+    with pytest.raises(PayloadMismatch) as info, Session(engine) as session, session.begin():
+        ob.publish(session, topic=topic, event_type="t", payload={"a": 2}, event_id=eid)
+    assert str(eid) in str(info.value)
+    with pytest.raises(PayloadMismatch), Session(engine) as session, session.begin():
+        ob.publish_many(
+            session,
+            [Message(topic=topic, event_type="t", payload={"b": n}, event_id=uuid.UUID(int=5)) for n in range(2)],
+        )
+    assert _count(engine, ob, topic) == 1
+
+
+def test_oversize_payload_rejected_and_nothing_written(engine: Engine, settings: OutboxSettings) -> None:
+    topic = _topic()
+    small = Outbox(settings.model_copy(update={"max_payload_bytes": 1000}))
+    with pytest.raises(PayloadTooLarge, match="over the limit of 1000 bytes"), Session(engine) as session, session.begin():
+        small.publish(session, topic=topic, event_type="t", payload={"ok": 1})
+        small.publish(session, topic=topic, event_type="t", payload=b"x" * 1001)
+    assert _count(engine, small, topic) == 0
+    default = Outbox(settings)
+    with pytest.raises(PayloadTooLarge), Session(engine) as session, session.begin():
+        default.publish(session, topic=topic, event_type="t", payload=b"x" * (1024 * 1024 + 1))
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "match"),
+    [
+        ("topic", "bad topic!", "not a valid Kafka name"),
+        ("topic", "", "not a valid Kafka name"),
+        ("event_type", "", "event_type"),
+        ("event_id", "not-a-uuid", "not a UUID"),
+        ("headers", {"ce_id": "x"}, "reserved"),
+        ("payload", {1, 2}, "payload must be"),
+        ("payload", {"when": object()}, "not JSON-serializable"),
+    ],
+)
+def test_bad_input_rejected(engine: Engine, ob: Outbox, field: str, value: object, match: str) -> None:
+    kwargs: dict[str, object] = {"topic": "orders", "event_type": "t", "payload": {"a": 1}}
+    kwargs[field] = value
+    with pytest.raises((PayloadError, InvalidIdentifier), match=match), Session(engine) as session, session.begin():
+        ob.publish(session, **kwargs)  # type: ignore[arg-type]
+
+
+def test_missing_tables_name_the_upgrade_command(engine: Engine, settings: OutboxSettings) -> None:
+    unmigrated = Outbox(settings.model_copy(update={"table_prefix": "never_migrated_"}))
+    with pytest.raises(SchemaMissing, match="outbox db upgrade"), Session(engine) as session, session.begin():
+        unmigrated.publish(session, topic="orders", event_type="t", payload={})
+
+
+def test_delay_sets_available_at(engine: Engine, ob: Outbox) -> None:
+    topic = _topic()
+    with Session(engine) as session, session.begin():
+        ob.publish(session, topic=topic, event_type="t", payload={}, delay_seconds=3600)
+    with engine.connect() as conn:
+        delay = conn.execute(
+            text(f"SELECT extract(epoch FROM available_at - created_at) FROM {ob.tables.events.fullname} WHERE topic = :t"),
+            {"t": topic},
+        ).scalar_one()
+    assert 3599 <= float(delay) <= 3601
