@@ -35,7 +35,9 @@ def reported_errors() -> Iterator[None]:
         yield
     except OutboxError as exc:
         console.print(f"[bold red]error:[/] {type(exc).__name__}: {exc}", highlight=False)
-        raise typer.Exit(2 if type(exc).__name__.endswith(("ConfigurationError", "InvalidIdentifier")) else 1) from None
+        raise typer.Exit(
+            2 if type(exc).__name__.endswith(("ConfigurationError", "InvalidIdentifier")) else 1
+        ) from None
 
 
 def run(fn: Callable[[], T]) -> T:

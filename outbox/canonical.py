@@ -36,7 +36,9 @@ def _normalize(value: Any) -> Any:
     try:
         return _normalize(to_jsonable_python(value))
     except Exception as exc:  # pydantic raises its own type for unserializable values
-        raise PayloadError(f"value of type {type(value).__name__} is not JSON-serializable") from exc
+        raise PayloadError(
+            f"value of type {type(value).__name__} is not JSON-serializable"
+        ) from exc
 
 
 def canonical_json(value: Any) -> bytes:

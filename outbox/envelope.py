@@ -138,9 +138,7 @@ def _fingerprint(topic: str, key: bytes | None, event_type: str, payload: bytes)
     return h.digest()
 
 
-def prepare(
-    message: Message, *, lanes: int, max_bytes: int, default_source: str
-) -> Row:
+def prepare(message: Message, *, lanes: int, max_bytes: int, default_source: str) -> Row:
     """Validate and encode one message; raises a :class:`PayloadError` subclass if bad."""
     identifiers.kafka_name(message.topic, "topic")
     if not message.event_type or len(message.event_type) > 255:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 from pathlib import Path
+from typing import TextIO
 
 from alembic import command
 from alembic.config import Config
@@ -17,9 +18,7 @@ from outbox.settings import OutboxSettings
 _SCRIPTS = Path(__file__).parent / "migrations"
 
 
-def alembic_config(
-    settings: OutboxSettings | None = None, stdout: io.TextIOBase | None = None
-) -> Config:
+def alembic_config(settings: OutboxSettings | None = None, stdout: TextIO | None = None) -> Config:
     # Offline (--sql) output goes to output_buffer; command messages to stdout.
     config = Config(output_buffer=stdout, stdout=stdout) if stdout is not None else Config()
     config.set_main_option("script_location", str(_SCRIPTS))
@@ -42,7 +41,7 @@ def downgrade(settings: OutboxSettings, revision: str) -> None:
 def sql(settings: OutboxSettings, revision: str = "head") -> str:
     """The DDL of the migrations up to ``revision``, for users who run their own."""
     out = io.StringIO()
-    command.upgrade(alembic_config(settings, stdout=out), revision, sql=True)  # type: ignore[arg-type]
+    command.upgrade(alembic_config(settings, stdout=out), revision, sql=True)
     return out.getvalue()
 
 

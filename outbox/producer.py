@@ -10,6 +10,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from functools import cache
+from typing import Any
 
 from sqlalchemy import Connection
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
@@ -58,9 +59,7 @@ class Outbox:
         return [r.event_id for r in rows if r.event_id not in done]
 
     @staticmethod
-    def _check_duplicates(
-        rows: Sequence[Row], stored: Iterable[tuple[uuid.UUID, bytes]]
-    ) -> None:
+    def _check_duplicates(rows: Sequence[Row], stored: Iterable[Any]) -> None:
         # A duplicate event_id is a no-op only when it describes the same event; the same
         # id inside one batch with two payloads is caught here too.
         stored_by_id = {event_id: fingerprint for event_id, fingerprint in stored}
@@ -122,14 +121,10 @@ class Outbox:
         if not rows:
             return []
         with translated_errors():
-            result = await session.execute(
-                self._store.insert_rows, self._store.insert_params(rows)
-            )
+            result = await session.execute(self._store.insert_rows, self._store.insert_params(rows))
             missing = self._not_inserted(rows, result.scalars())
             if missing or len({r.event_id for r in rows}) != len(rows):
-                stored = await session.execute(
-                    self._store.fingerprints([r.event_id for r in rows])
-                )
+                stored = await session.execute(self._store.fingerprints([r.event_id for r in rows]))
                 self._check_duplicates(rows, stored)
         return [r.event_id for r in rows]
 

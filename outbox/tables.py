@@ -140,7 +140,9 @@ def _relays(md: MetaData, prefix: str) -> Table:
         Column("hostname", Text, nullable=False),
         Column("pid", Integer, nullable=False),
         Column("started_at", DateTime(timezone=True), nullable=False, server_default=text("now()")),
-        Column("heartbeat_at", DateTime(timezone=True), nullable=False, server_default=text("now()")),
+        Column(
+            "heartbeat_at", DateTime(timezone=True), nullable=False, server_default=text("now()")
+        ),
         Column("lanes", ARRAY(SmallInteger), nullable=False, server_default=text("'{}'")),
     )
 
@@ -162,7 +164,9 @@ def _inbox(md: MetaData, prefix: str) -> Table:
         Column("status", Text, nullable=False),
         Column("attempts", Integer, nullable=False, server_default=text("0")),
         Column("last_error", Text, nullable=True),
-        Column("received_at", DateTime(timezone=True), nullable=False, server_default=text("now()")),
+        Column(
+            "received_at", DateTime(timezone=True), nullable=False, server_default=text("now()")
+        ),
         Column("processed_at", DateTime(timezone=True), nullable=True),
         Index(f"{name}_processed_at_idx", "processed_at"),
     )

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 
 import psycopg
 import pytest
@@ -31,8 +31,10 @@ def services() -> Iterator[Endpoints]:
 
 
 def _admin_dsn(url: str, dbname: str) -> str:
-    return make_url(url).set(drivername="postgresql", database=dbname).render_as_string(
-        hide_password=False
+    return (
+        make_url(url)
+        .set(drivername="postgresql", database=dbname)
+        .render_as_string(hide_password=False)
     )
 
 

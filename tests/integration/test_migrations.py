@@ -32,9 +32,7 @@ def test_migrations_match_declared_tables(settings: OutboxSettings) -> None:
                 conn,
                 opts={
                     "include_schemas": True,
-                    "include_name": lambda name, type_, parent: (
-                        type_ != "schema" or name == schema
-                    ),
+                    "include_name": lambda name, type_, parent: type_ != "schema" or name == schema,
                     "include_object": lambda obj, name, type_, reflected, compare_to: (
                         name != "t_alembic_version"
                     ),
@@ -45,8 +43,8 @@ def test_migrations_match_declared_tables(settings: OutboxSettings) -> None:
             assert diff == [], f"migrations drifted from outbox.tables: {diff}"
             reloptions = conn.execute(
                 text(
-                    "SELECT reloptions FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
-                    "WHERE n.nspname = :s AND c.relname = 't_events'"
+                    "SELECT reloptions FROM pg_class c "
+                    "JOIN pg_namespace n ON n.oid = c.relnamespace WHERE n.nspname = :s AND c.relname = 't_events'"
                 ),
                 {"s": schema},
             ).scalar_one()

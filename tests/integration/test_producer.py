@@ -42,7 +42,9 @@ def ob(settings: OutboxSettings, engine: Engine) -> Outbox:
 def _count(engine: Engine, ob: Outbox, topic: str) -> int:
     with engine.connect() as conn:
         return conn.execute(
-            select(func.count()).select_from(ob.tables.events).where(ob.tables.events.c.topic == topic)
+            select(func.count())
+            .select_from(ob.tables.events)
+            .where(ob.tables.events.c.topic == topic)
         ).scalar_one()
 
 
@@ -55,11 +57,16 @@ def test_publish_commits_with_domain_row(engine: Engine, ob: Outbox) -> None:
     with Session(engine) as session, session.begin():
         session.execute(orders.insert().values(id=1001, note="x"))
         event_id = ob.publish(
-            session, topic=topic, key="1001", event_type="order.created",
+            session,
+            topic=topic,
+            key="1001",
+            event_type="order.created",
             payload=OrderCreated(order_id=1001, total_cents=990),
         )
     with engine.connect() as conn:
-        row = conn.execute(select(ob.tables.events).where(ob.tables.events.c.event_id == event_id)).one()
+        row = conn.execute(
+            select(ob.tables.events).where(ob.tables.events.c.event_id == event_id)
+        ).one()
         assert conn.execute(select(orders.c.id).where(orders.c.id == 1001)).scalar_one() == 1001
     assert row.payload == b'{"order_id":1001,"total_cents":990}'
     assert row.content_type == "application/json"
@@ -71,11 +78,10 @@ def test_publish_commits_with_domain_row(engine: Engine, ob: Outbox) -> None:
 
 def test_rollback_leaves_neither(engine: Engine, ob: Outbox) -> None:
     topic = _topic()
-    with Session(engine) as session:
-        with session.begin():
-            session.execute(orders.insert().values(id=1002, note="x"))
-            ob.publish(session, topic=topic, event_type="order.created", payload={"id": 1002})
-            session.rollback()
+    with Session(engine) as session, session.begin():
+        session.execute(orders.insert().values(id=1002, note="x"))
+        ob.publish(session, topic=topic, event_type="order.created", payload={"id": 1002})
+        session.rollback()
     assert _count(engine, ob, topic) == 0
     with engine.connect() as conn:
         assert conn.execute(select(orders.c.id).where(orders.c.id == 1002)).first() is None
@@ -90,7 +96,9 @@ def test_publish_on_core_connection(engine: Engine, ob: Outbox) -> None:
     assert row.payload == b"\x00raw" and row.content_type == "application/octet-stream"
 
 
-async def test_async_session_and_connection(aengine: AsyncEngine, engine: Engine, ob: Outbox) -> None:
+async def test_async_session_and_connection(
+    aengine: AsyncEngine, engine: Engine, ob: Outbox
+) -> None:
     topic = _topic()
     async with AsyncSession(aengine) as session, session.begin():
         await session.execute(orders.insert().values(id=1003, note="async"))
@@ -99,17 +107,17 @@ async def test_async_session_and_connection(aengine: AsyncEngine, engine: Engine
         await ob.publish_many_async(
             conn, [Message(topic=topic, event_type="t", payload={"n": n}) for n in range(2, 5)]
         )
-    async with AsyncSession(aengine) as session:
-        async with session.begin():
-            await ob.publish_async(session, topic=topic, event_type="t", payload={"n": 99})
-            await session.rollback()
+    async with AsyncSession(aengine) as session, session.begin():
+        await ob.publish_async(session, topic=topic, event_type="t", payload={"n": 99})
+        await session.rollback()
     assert _count(engine, ob, topic) == 4
 
 
 def test_publish_many_10k_rows_is_one_statement(engine: Engine, ob: Outbox) -> None:
     topic = _topic()
     messages = [
-        Message(topic=topic, event_type="t", key=f"k{n % 100}", payload={"n": n}) for n in range(10_000)
+        Message(topic=topic, event_type="t", key=f"k{n % 100}", payload={"n": n})
+        for n in range(10_000)
     ]
     statements: list[str] = []
 
@@ -142,7 +150,10 @@ def test_duplicate_event_id_same_payload_is_a_noop(engine: Engine, ob: Outbox) -
     eid = idempotency_key("order", 7, "created")
     for _ in range(3):
         with Session(engine) as session, session.begin():
-            assert ob.publish(session, topic=topic, event_type="t", payload={"a": 1}, event_id=eid) == eid
+            assert (
+                ob.publish(session, topic=topic, event_type="t", payload={"a": 1}, event_id=eid)
+                == eid
+            )
     assert _count(engine, ob, topic) == 1
 
 
@@ -157,15 +168,24 @@ def test_duplicate_event_id_different_payload_raises(engine: Engine, ob: Outbox)
     with pytest.raises(PayloadMismatch), Session(engine) as session, session.begin():
         ob.publish_many(
             session,
-            [Message(topic=topic, event_type="t", payload={"b": n}, event_id=uuid.UUID(int=5)) for n in range(2)],
+            [
+                Message(topic=topic, event_type="t", payload={"b": n}, event_id=uuid.UUID(int=5))
+                for n in range(2)
+            ],
         )
     assert _count(engine, ob, topic) == 1
 
 
-def test_oversize_payload_rejected_and_nothing_written(engine: Engine, settings: OutboxSettings) -> None:
+def test_oversize_payload_rejected_and_nothing_written(
+    engine: Engine, settings: OutboxSettings
+) -> None:
     topic = _topic()
     small = Outbox(settings.model_copy(update={"max_payload_bytes": 1000}))
-    with pytest.raises(PayloadTooLarge, match="over the limit of 1000 bytes"), Session(engine) as session, session.begin():
+    with (
+        pytest.raises(PayloadTooLarge, match="over the limit of 1000 bytes"),
+        Session(engine) as session,
+        session.begin(),
+    ):
         small.publish(session, topic=topic, event_type="t", payload={"ok": 1})
         small.publish(session, topic=topic, event_type="t", payload=b"x" * 1001)
     assert _count(engine, small, topic) == 0
@@ -186,16 +206,26 @@ def test_oversize_payload_rejected_and_nothing_written(engine: Engine, settings:
         ("payload", {"when": object()}, "not JSON-serializable"),
     ],
 )
-def test_bad_input_rejected(engine: Engine, ob: Outbox, field: str, value: object, match: str) -> None:
+def test_bad_input_rejected(
+    engine: Engine, ob: Outbox, field: str, value: object, match: str
+) -> None:
     kwargs: dict[str, object] = {"topic": "orders", "event_type": "t", "payload": {"a": 1}}
     kwargs[field] = value
-    with pytest.raises((PayloadError, InvalidIdentifier), match=match), Session(engine) as session, session.begin():
+    with (
+        pytest.raises((PayloadError, InvalidIdentifier), match=match),
+        Session(engine) as session,
+        session.begin(),
+    ):
         ob.publish(session, **kwargs)  # type: ignore[arg-type]
 
 
 def test_missing_tables_name_the_upgrade_command(engine: Engine, settings: OutboxSettings) -> None:
     unmigrated = Outbox(settings.model_copy(update={"table_prefix": "never_migrated_"}))
-    with pytest.raises(SchemaMissing, match="outbox db upgrade"), Session(engine) as session, session.begin():
+    with (
+        pytest.raises(SchemaMissing, match="outbox db upgrade"),
+        Session(engine) as session,
+        session.begin(),
+    ):
         unmigrated.publish(session, topic="orders", event_type="t", payload={})
 
 
@@ -205,7 +235,10 @@ def test_delay_sets_available_at(engine: Engine, ob: Outbox) -> None:
         ob.publish(session, topic=topic, event_type="t", payload={}, delay_seconds=3600)
     with engine.connect() as conn:
         delay = conn.execute(
-            text(f"SELECT extract(epoch FROM available_at - created_at) FROM {ob.tables.events.fullname} WHERE topic = :t"),
+            text(
+                "SELECT extract(epoch FROM available_at - created_at) "
+                f"FROM {ob.tables.events.fullname} WHERE topic = :t"
+            ),
             {"t": topic},
         ).scalar_one()
     assert 3599 <= float(delay) <= 3601

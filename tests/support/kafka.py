@@ -32,7 +32,7 @@ class Record:
 
 
 async def read_all(
-    bootstrap: str, topic: str, expect: int, timeout: float = 60.0
+    bootstrap: str, topic: str, expect: int, wait_seconds: float = 60.0
 ) -> list[Record]:
     """Read ``topic`` from the beginning until ``expect`` records arrived or time ran out."""
     consumer = AIOKafkaConsumer(
@@ -46,7 +46,7 @@ async def read_all(
     records: list[Record] = []
     try:
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
+        deadline = loop.time() + wait_seconds
         while len(records) < expect and loop.time() < deadline:
             batch = await consumer.getmany(timeout_ms=500, max_records=10_000)
             for msgs in batch.values():

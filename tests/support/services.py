@@ -18,7 +18,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-HINT = "start them with `scripts/services up` (or set OUTBOX_DATABASE_URL and OUTBOX_KAFKA_BOOTSTRAP_SERVERS)"
+HINT = (
+    "start them with `scripts/services up` "
+    "(or set OUTBOX_DATABASE_URL and OUTBOX_KAFKA_BOOTSTRAP_SERVERS)"
+)
 
 
 class ServiceUnavailable(RuntimeError):

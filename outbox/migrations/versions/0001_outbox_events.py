@@ -31,10 +31,22 @@ def upgrade() -> None:
         sa.Column("source", sa.Text, nullable=False),
         sa.Column("content_type", sa.Text, nullable=False),
         sa.Column("payload", sa.LargeBinary, nullable=False),
-        sa.Column("headers", postgresql.JSONB, nullable=False, server_default=sa.text("'{}'::jsonb")),
+        sa.Column(
+            "headers", postgresql.JSONB, nullable=False, server_default=sa.text("'{}'::jsonb")
+        ),
         sa.Column("fingerprint", sa.LargeBinary, nullable=False),
-        sa.Column("created_at", sa.DateTime(timezone=True), nullable=False, server_default=sa.text("now()")),
-        sa.Column("available_at", sa.DateTime(timezone=True), nullable=False, server_default=sa.text("now()")),
+        sa.Column(
+            "created_at",
+            sa.DateTime(timezone=True),
+            nullable=False,
+            server_default=sa.text("now()"),
+        ),
+        sa.Column(
+            "available_at",
+            sa.DateTime(timezone=True),
+            nullable=False,
+            server_default=sa.text("now()"),
+        ),
         sa.Column("attempts", sa.Integer, nullable=False, server_default=sa.text("0")),
         sa.Column("last_error", sa.Text, nullable=True),
         sa.Column("published_at", sa.DateTime(timezone=True), nullable=True),

@@ -1,0 +1,12 @@
+# Image for the relay and consumer daemons (docker-compose.yml, profile "app").
+FROM python:3.11-slim
+WORKDIR /app
+COPY pyproject.toml README.md ./
+COPY outbox ./outbox
+COPY relay ./relay
+COPY inbox ./inbox
+COPY cli ./cli
+COPY examples ./examples
+RUN pip install --no-cache-dir ".[asgi]"
+USER nobody
+ENTRYPOINT []
