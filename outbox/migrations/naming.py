@@ -3,8 +3,9 @@ the migration runs with, so one set of scripts serves every configured deploymen
 
 from __future__ import annotations
 
+from typing import Any
+
 from alembic.config import Config
-from alembic.operations import Operations
 
 from outbox.settings import OutboxSettings
 
@@ -21,13 +22,13 @@ def version_table(settings: OutboxSettings) -> str:
     return f"{settings.table_prefix}alembic_version"
 
 
-def current(op: Operations) -> tuple[str, str]:
-    """(schema, table prefix) of the running migration."""
-    settings = settings_of(op.get_context().config)  # type: ignore[arg-type]
+def current(op: Any) -> tuple[str, str]:
+    """(schema, table prefix) of the running migration; ``op`` is ``alembic.op``."""
+    settings = settings_of(op.get_context().config)
     return settings.db_schema, settings.table_prefix
 
 
-def qualified(op: Operations, schema: str, table: str) -> str:
+def qualified(op: Any, schema: str, table: str) -> str:
     """``"schema"."table"`` quoted by the dialect, for the few DDL statements Alembic lacks."""
     prep = op.get_context().dialect.identifier_preparer
     return f"{prep.quote_schema(schema)}.{prep.quote(table)}"

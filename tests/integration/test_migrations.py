@@ -16,6 +16,11 @@ from outbox.tables import HOT_TABLE_STORAGE
 
 pytestmark = pytest.mark.integration
 
+RELOPTIONS = """
+    SELECT reloptions FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+    WHERE n.nspname = :s AND c.relname = 't_events'
+"""
+
 
 def _other(settings: OutboxSettings, **changes: object) -> OutboxSettings:
     return settings.model_copy(update=changes)
@@ -42,10 +47,7 @@ def test_migrations_match_declared_tables(settings: OutboxSettings) -> None:
             diff = compare_metadata(ctx, build_tables(s).metadata)
             assert diff == [], f"migrations drifted from outbox.tables: {diff}"
             reloptions = conn.execute(
-                text(
-                    "SELECT reloptions FROM pg_class c "
-                    "JOIN pg_namespace n ON n.oid = c.relnamespace WHERE n.nspname = :s AND c.relname = 't_events'"
-                ),
+                text(RELOPTIONS),
                 {"s": schema},
             ).scalar_one()
             assert sorted(reloptions) == sorted(f"{k}={v}" for k, v in HOT_TABLE_STORAGE.items())
