@@ -8,5 +8,6 @@ COPY inbox ./inbox
 COPY cli ./cli
 COPY examples ./examples
 RUN pip install --no-cache-dir ".[asgi]"
+ENV PYTHONPATH=/app
 USER nobody
 ENTRYPOINT []

@@ -1,0 +1,1 @@
+"""Payments example: idempotent POST /refunds, atomic with the outbox (see app.py)."""
