@@ -13,7 +13,7 @@ import time
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Required, TypedDict
 
 from pydantic import BaseModel
 from pydantic_core import PydanticSerializationError, to_json
@@ -29,6 +29,19 @@ RESERVED_HEADERS = frozenset(
 )
 
 Payload = BaseModel | Mapping[str, Any] | list[Any] | bytes | bytearray | memoryview
+
+
+class MessageFields(TypedDict, total=False):
+    """Keyword arguments of ``Outbox.publish`` (the fields of :class:`Message`)."""
+
+    topic: Required[str]
+    payload: Required[Payload]
+    event_type: Required[str]
+    key: str | bytes | None
+    event_id: uuid.UUID | str | None
+    headers: Mapping[str, str]
+    source: str | None
+    delay_seconds: float
 
 
 @dataclass(frozen=True)

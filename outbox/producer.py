@@ -8,9 +8,9 @@ the caller's domain writes commit. The relay publishes it later.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from functools import cache
-from typing import Any
+from typing import Any, Unpack
 
 from sqlalchemy import Connection
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
@@ -18,7 +18,7 @@ from sqlalchemy.orm import Session
 
 from outbox import envelope
 from outbox.db import translated_errors
-from outbox.envelope import Message, Payload, Row
+from outbox.envelope import Message, MessageFields, Row
 from outbox.errors import PayloadMismatch
 from outbox.settings import OutboxSettings
 from outbox.store import ProducerStore
@@ -86,31 +86,14 @@ class Outbox:
                 self._check_duplicates(rows, stored)
         return [r.event_id for r in rows]
 
-    def publish(
-        self,
-        session: SyncExecutor,
-        *,
-        topic: str,
-        payload: Payload,
-        event_type: str,
-        key: str | bytes | None = None,
-        event_id: uuid.UUID | str | None = None,
-        headers: Mapping[str, str] | None = None,
-        source: str | None = None,
-        delay_seconds: float = 0.0,
-    ) -> uuid.UUID:
-        """Add one event to the caller's open transaction; returns its event id."""
-        message = Message(
-            topic=topic,
-            payload=payload,
-            event_type=event_type,
-            key=key,
-            event_id=event_id,
-            headers=headers or {},
-            source=source,
-            delay_seconds=delay_seconds,
-        )
-        return self.publish_many(session, [message])[0]
+    def publish(self, session: SyncExecutor, **fields: Unpack[MessageFields]) -> uuid.UUID:
+        """Add one event to the caller's open transaction; returns its event id.
+
+        Keyword arguments are the fields of :class:`~outbox.envelope.Message`: ``topic``,
+        ``payload``, ``event_type`` (required), ``key``, ``event_id``, ``headers``,
+        ``source``, ``delay_seconds``.
+        """
+        return self.publish_many(session, [Message(**fields)])[0]
 
     # -- async --------------------------------------------------------------------------
     async def publish_many_async(
@@ -129,30 +112,10 @@ class Outbox:
         return [r.event_id for r in rows]
 
     async def publish_async(
-        self,
-        session: AsyncExecutor,
-        *,
-        topic: str,
-        payload: Payload,
-        event_type: str,
-        key: str | bytes | None = None,
-        event_id: uuid.UUID | str | None = None,
-        headers: Mapping[str, str] | None = None,
-        source: str | None = None,
-        delay_seconds: float = 0.0,
+        self, session: AsyncExecutor, **fields: Unpack[MessageFields]
     ) -> uuid.UUID:
         """Async :meth:`publish`."""
-        message = Message(
-            topic=topic,
-            payload=payload,
-            event_type=event_type,
-            key=key,
-            event_id=event_id,
-            headers=headers or {},
-            source=source,
-            delay_seconds=delay_seconds,
-        )
-        return (await self.publish_many_async(session, [message]))[0]
+        return (await self.publish_many_async(session, [Message(**fields)]))[0]
 
 
 @cache

@@ -30,14 +30,48 @@ class RetrySettings(_Section):
     base_seconds: float = Field(0.1, gt=0, description="First backoff step.")
     cap_seconds: float = Field(30.0, gt=0, description="Largest single backoff.")
     max_attempts: int = Field(5, ge=1, le=1000, description="Attempts before giving up.")
+    max_total_delay_seconds: float | None = Field(
+        None, gt=0, description="Give up once this much time has passed (unset: no limit)."
+    )
+    budget_ratio: float = Field(
+        0.1, ge=0, le=1, description="Retries the process may add per request (0.1 = 10%)."
+    )
+    budget_burst: float = Field(
+        10, ge=0, description="Retry tokens available at start and at most saved up."
+    )
+    budget_min_per_second: float = Field(
+        1.0, ge=0, description="Retry tokens refilled per second even without traffic."
+    )
+    breaker_failure_threshold: int = Field(
+        5, ge=1, description="Consecutive failures that open a dependency's circuit."
+    )
+    breaker_recovery_seconds: float = Field(
+        30.0, gt=0, description="How long an open circuit fails fast before a trial call."
+    )
+    breaker_half_open_max_calls: int = Field(
+        1, ge=1, description="Trial calls let through while the circuit is half-open."
+    )
 
 
 class RelaySettings(_Section):
     """The relay daemon (``outbox relay``)."""
 
-    batch_size: int = Field(1000, ge=1, le=50_000, description="Rows claimed per batch.")
+    batch_size: int = Field(2000, ge=1, le=50_000, description="Rows claimed per batch.")
+    pipelines: int = Field(
+        2,
+        ge=1,
+        le=16,
+        description="Concurrent claim->publish->ack loops per relay, each on its own share "
+        "of the owned lanes (one claims while another waits for Kafka acks).",
+    )
     poll_interval_seconds: float = Field(
-        1.0, gt=0, description="Longest sleep when idle; NOTIFY wakes the relay sooner."
+        0.5, gt=0, description="Longest sleep between polls when the outbox is empty."
+    )
+    min_poll_interval_seconds: float = Field(
+        0.005,
+        gt=0,
+        description="Sleep after a partial batch; doubles on each empty poll up to "
+        "poll_interval_seconds.",
     )
     max_attempts: int = Field(
         5, ge=1, description="Permanent broker rejections before a row is moved to failed."
@@ -45,17 +79,65 @@ class RelaySettings(_Section):
     keep_published_hours: float = Field(
         0, ge=0, description="0 deletes rows once Kafka acked them; >0 keeps them marked."
     )
+    ack_timeout_seconds: float = Field(
+        10.0,
+        gt=0,
+        description="Longest wait for Kafka acks before the batch is released and Kafka is "
+        "treated as unavailable (no attempts are counted).",
+    )
+    heartbeat_seconds: float = Field(
+        1.0, gt=0, description="Lane rebalance and heartbeat period; bounds takeover time."
+    )
+    stats_interval_seconds: float = Field(
+        5.0, gt=0, description="Period of the pending-count / oldest-age metrics query."
+    )
+    shutdown_grace_seconds: float = Field(
+        5.0, gt=0, description="On SIGTERM, how long an in-flight batch may take to finish."
+    )
+    linger_ms: int = Field(5, ge=0, description="Kafka producer linger (batching delay).")
+    max_batch_bytes: int = Field(
+        512 * 1024,
+        ge=16 * 1024,
+        description="Largest Kafka record batch per partition; keep below the broker's "
+        "message.max.bytes.",
+    )
 
 
 class ConsumerSettings(_Section):
     """Inbox consumers (``outbox consume``)."""
 
-    max_attempts: int = Field(5, ge=1, description="Handler attempts before dead-lettering.")
+    max_attempts: int = Field(
+        5, ge=1, description="Handler attempts before dead-lettering (a handler may override)."
+    )
     dlq_suffix: str = Field(".dlq", description="Dead-letter topic = original topic + suffix.")
+    dlq_create: bool = Field(
+        True,
+        description="Create a missing dead-letter topic at start-up (else fail with TopicMissing).",
+    )
     unknown_type_policy: Literal["skip", "dead_letter"] = Field(
         "dead_letter", description="What to do with an event type no handler is registered for."
     )
+    malformed_policy: Literal["skip", "dead_letter"] = Field(
+        "dead_letter",
+        description="What to do with a record lacking CloudEvents `ce_id`/`ce_type` headers.",
+    )
     dedupe_window_days: float = Field(7, gt=0, description="How long inbox rows are kept.")
+    transaction_per: Literal["batch", "event"] = Field(
+        "batch",
+        description="One database transaction per partition batch (fast) or per event.",
+    )
+    max_batch_records: int = Field(
+        500, ge=1, le=100_000, description="Records handled in one partition transaction."
+    )
+    max_concurrent_partitions: int = Field(
+        8, ge=1, le=1024, description="Partitions processed at once (each holds a connection)."
+    )
+    fetch_timeout_ms: int = Field(
+        100, ge=1, description="Longest wait for records in one fetch; bounds shutdown latency."
+    )
+    error_message_chars: int = Field(
+        500, ge=16, description="Error messages in dead-letter headers are cut to this length."
+    )
 
 
 class IdempotencySettings(_Section):
@@ -64,6 +146,9 @@ class IdempotencySettings(_Section):
     ttl_hours: float = Field(24, gt=0, description="How long a key is remembered.")
     lock_timeout_seconds: float = Field(
         60, gt=0, description="After this, an in-flight request is presumed crashed."
+    )
+    purge_batch_size: int = Field(
+        1000, ge=1, le=100_000, description="Expired keys deleted per cleanup transaction."
     )
 
 
