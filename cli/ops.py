@@ -1,0 +1,419 @@
+"""``outbox lag``, ``outbox doctor``, ``outbox status``, ``outbox cleanup``: operator tools.
+
+Exit codes: 0 fine; 1 a check failed or a service could not be reached (doctor/status:
+an error finding); 2 bad configuration, or warnings under ``doctor --strict``; 3 a
+``lag`` threshold (``--max-age``/``--max-pending``/``--max-consumer-lag``) was exceeded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import re
+import signal
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import typer
+from rich.console import Group
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
+
+from cli.context import console, out, run, settings_of
+from outbox.cleanup import Retention, TargetResult, run_cleanup
+from outbox.db import async_engine
+from outbox.doctor import DoctorOptions, Finding, diagnose, exit_code, to_dicts
+from outbox.errors import ConfigurationError
+from outbox.lag import LagReport, RateTracker, Thresholds, collect
+from outbox.settings import OutboxSettings
+
+app = typer.Typer()
+THRESHOLD_EXCEEDED = 3
+T = TypeVar("T")
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*$")
+_UNIT_SECONDS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_duration(value: str | None, option: str) -> float | None:
+    """``90``, ``90s``, ``15m``, ``36h``, ``7d`` -> seconds."""
+    if value is None:
+        return None
+    match = _DURATION.match(value)
+    if not match:
+        raise ConfigurationError(f"{option} {value!r} is not a duration like 90s, 15m, 36h or 7d")
+    return float(match[1]) * _UNIT_SECONDS[match[2]]
+
+
+def _with_engine(settings: OutboxSettings, work: Callable[[Any], Awaitable[T]]) -> T:
+    async def go() -> T:
+        engine = async_engine(settings, pool_size=2, max_overflow=0)
+        try:
+            return await work(engine)
+        finally:
+            await engine.dispose()
+
+    return run(lambda: asyncio.run(go()))
+
+
+def _age(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    if seconds < 120:
+        return f"{seconds:.1f}s"
+    if seconds < 7200:
+        return f"{seconds / 60:.1f}m"
+    return f"{seconds / 3600:.1f}h"
+
+
+def _lanes(lanes: list[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2,5'."""
+    parts: list[str] = []
+    for lane in lanes:
+        if parts and lane == int(parts[-1].rsplit("-", 1)[-1]) + 1:
+            parts[-1] = f"{parts[-1].split('-')[0]}-{lane}"
+        else:
+            parts.append(str(lane))
+    return ",".join(parts) or "-"
+
+
+# ----------------------------------------------------------------------------------- lag
+
+
+def _render_lag(report: LagReport, breaches: list[str]) -> Group:
+    topics = Table(title=f"outbox ({report.mode}-mode) at {report.taken_at:%H:%M:%S} db time")
+    for name in ("topic", "pending", "due", "oldest", "failed", "rate/s", "partitions"):
+        topics.add_column(name, justify="left" if name == "topic" else "right")
+    for t in report.topics:
+        rate = "-" if t.publish_rate_per_second is None else f"{t.publish_rate_per_second:.1f}"
+        parts = "?" if t.exists is None else ("MISSING" if not t.exists else str(t.partitions))
+        topics.add_row(
+            t.topic,
+            str(t.pending),
+            str(t.due),
+            _age(t.oldest_pending_age_seconds),
+            str(t.failed),
+            rate,
+            parts,
+        )
+    relays = Table(title=f"relays ({len(report.unowned_lanes)}/{report.lanes} lanes unowned)")
+    for name in ("relay", "host", "pid", "heartbeat", "lanes", "state"):
+        relays.add_column(name)
+    for r in report.relays:
+        relays.add_row(
+            r.relay_id,
+            r.hostname,
+            str(r.pid),
+            _age(r.heartbeat_age_seconds) + " ago",
+            _lanes(r.lanes),
+            "[green]alive[/]" if r.alive else "[red]stale[/]",
+        )
+    groups = Table(title="consumer groups")
+    for name in ("group", "topic", "partition", "end", "committed", "lag", "dead letters"):
+        groups.add_column(name, justify="left" if name in ("group", "topic") else "right")
+    for g in report.groups:
+        dead = f"{g.dead_letters} ({g.dead_letters_last_hour} last hour)"
+        if g.error:
+            groups.add_row(g.group, f"[red]{g.error}[/]", "", "", "", "", dead)
+        for p in g.partitions:
+            committed = "-" if p.committed is None else str(p.committed)
+            groups.add_row(
+                g.group, p.topic, str(p.partition), str(p.end_offset), committed, str(p.lag), dead
+            )
+        if not g.partitions and not g.error:
+            groups.add_row(g.group, "(no committed offsets)", "", "", "", "0", dead)
+    shown: list[Any] = [topics, relays, groups]
+    if report.kafka_error:
+        shown.append(Text(f"kafka: {report.kafka_error}", style="yellow"))
+    shown.extend(Text(f"THRESHOLD EXCEEDED: {b}", style="bold red") for b in breaches)
+    return Group(*shown)
+
+
+def _lag_json(report: LagReport, breaches: list[str]) -> str:
+    return json.dumps({**report.to_dict(), "breaches": breaches})
+
+
+@app.command()
+def lag(
+    ctx: typer.Context,
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON document."),
+    watch: bool = typer.Option(False, "--watch", help="Refresh in place until Ctrl-C."),
+    interval: float = typer.Option(2.0, "--interval", min=0.2, help="Seconds between refreshes."),
+    max_age: float | None = typer.Option(
+        None, "--max-age", help="Exit 3 when the oldest due pending event is older (seconds)."
+    ),
+    max_pending: int | None = typer.Option(
+        None, "--max-pending", help="Exit 3 when more events are pending."
+    ),
+    max_consumer_lag: int | None = typer.Option(
+        None, "--max-consumer-lag", help="Exit 3 when a consumer group lags by more records."
+    ),
+    groups: list[str] = typer.Option([], "--group", help="Consumer group to inspect (repeatable)."),
+    discover: bool = typer.Option(
+        True, "--discover/--no-discover", help="Also inspect every consumer the inbox knows."
+    ),
+    topics: list[str] = typer.Option(
+        [], "--topic", help="Always show this topic, even with nothing pending (repeatable)."
+    ),
+    stale_after: float | None = typer.Option(
+        None,
+        "--stale-after",
+        help="A relay without heartbeat for this long (s) is not alive [default: 5 heartbeats].",
+    ),
+    kafka: bool = typer.Option(True, "--kafka/--no-kafka", help="Ask Kafka too."),
+    rate_sample: float = typer.Option(
+        1.0,
+        "--rate-sample",
+        min=0,
+        help="Delete-mode: seconds between the two Kafka end-offset samples of a one-shot "
+        "publish rate (0: no rate).",
+    ),
+) -> None:
+    """Pending events, their age, publish rate, consumer lag, dead letters and relays."""
+    settings = settings_of(ctx)
+    thresholds = Thresholds(max_age, max_pending, max_consumer_lag)
+    rates = RateTracker()
+
+    async def snapshot(engine: Any) -> LagReport:
+        return await collect(
+            engine,
+            settings,
+            groups=groups,
+            discover_groups=discover,
+            topics=topics,
+            stale_after=stale_after,
+            kafka=kafka,
+            rates=rates,
+            rate_sample_seconds=0 if watch else rate_sample,
+        )
+
+    async def once(engine: Any) -> list[str]:
+        report = await snapshot(engine)
+        breaches = thresholds.breaches(report)
+        if as_json:
+            out.print(_lag_json(report, breaches), markup=False, highlight=False, soft_wrap=True)
+        else:
+            out.print(_render_lag(report, breaches))
+        return breaches
+
+    async def watching(engine: Any) -> list[str]:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        breaches: list[str] = []
+        with Live(console=out, auto_refresh=False, transient=False) as live:
+            while not stop.is_set():
+                report = await snapshot(engine)
+                breaches = thresholds.breaches(report)
+                if as_json:
+                    live.console.print(
+                        _lag_json(report, breaches), markup=False, highlight=False, soft_wrap=True
+                    )
+                else:
+                    live.update(_render_lag(report, breaches), refresh=True)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), interval)
+        return breaches
+
+    breaches = _with_engine(settings, watching if watch else once)
+    if breaches:
+        for b in breaches:
+            console.print(f"[bold red]threshold exceeded:[/] {b}", highlight=False)
+        raise typer.Exit(THRESHOLD_EXCEEDED)
+
+
+# -------------------------------------------------------------------------------- doctor
+
+_LEVEL_STYLE = {"ok": "[green]ok[/]", "warn": "[yellow]WARN[/]", "error": "[bold red]ERROR[/]"}
+
+
+def _parse_topics(specs: list[str]) -> dict[str, int | None]:
+    topics: dict[str, int | None] = {}
+    for spec in specs:
+        name, _, count = spec.partition(":")
+        if count and not count.isdigit():
+            raise ConfigurationError(f"--topic {spec!r}: expected NAME or NAME:PARTITIONS")
+        topics[name] = int(count) if count else None
+    return topics
+
+
+def _doctor_options(
+    topics: list[str], idle_seconds: float, stale_after: float | None, kafka: bool
+) -> DoctorOptions:
+    return DoctorOptions(
+        topics=run(lambda: _parse_topics(topics)),
+        idle_seconds=idle_seconds,
+        stale_relay_seconds=stale_after,
+        kafka=kafka,
+    )
+
+
+def _print_findings(findings: list[Finding], show_ok: bool) -> None:
+    table = Table(show_lines=False)
+    for name in ("level", "check", "finding", "what to do"):
+        table.add_column(name, overflow="fold")
+    for f in findings:
+        if f.level == "ok" and not show_ok:
+            continue
+        table.add_row(_LEVEL_STYLE[f.level], f.check, f.what, f.action or "")
+    out.print(table)
+
+
+_TOPIC_OPTION = typer.Option(
+    [], "--topic", help="Topic that must exist, as NAME or NAME:PARTITIONS (repeatable)."
+)
+_IDLE_OPTION = typer.Option(
+    60.0, "--idle-seconds", help="Flag sessions idle in a transaction for longer."
+)
+_STALE_OPTION = typer.Option(
+    None, "--stale-after", help="Relay heartbeat age (s) that is stale [default: 5 heartbeats]."
+)
+
+
+@app.command()
+def doctor(
+    ctx: typer.Context,
+    as_json: bool = typer.Option(False, "--json", help="Print the findings as JSON."),
+    strict: bool = typer.Option(False, "--strict", help="Exit 2 when there are warnings."),
+    topics: list[str] = _TOPIC_OPTION,
+    idle_seconds: float = _IDLE_OPTION,
+    stale_after: float | None = _STALE_OPTION,
+    kafka: bool = typer.Option(True, "--kafka/--no-kafka", help="Check Kafka topics too."),
+) -> None:
+    """Check a deployment; every finding says what to do. Exit 1 on errors."""
+    settings = settings_of(ctx)
+    options = _doctor_options(topics, idle_seconds, stale_after, kafka)
+    findings = _with_engine(settings, lambda engine: diagnose(engine, settings, options))
+    if as_json:
+        out.print(json.dumps(to_dicts(findings)), markup=False, highlight=False, soft_wrap=True)
+    else:
+        _print_findings(findings, show_ok=True)
+    raise typer.Exit(exit_code(findings, strict))
+
+
+@app.command()
+def status(
+    ctx: typer.Context,
+    as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
+    topics: list[str] = _TOPIC_OPTION,
+    idle_seconds: float = _IDLE_OPTION,
+    stale_after: float | None = _STALE_OPTION,
+) -> None:
+    """A short summary: backlog, relays, consumers, and the doctor's problems."""
+    settings = settings_of(ctx)
+    options = _doctor_options(topics, idle_seconds, stale_after, kafka=True)
+
+    async def both(engine: Any) -> tuple[LagReport, list[Finding]]:
+        report = await collect(engine, settings, topics=topics, stale_after=stale_after)
+        return report, await diagnose(engine, settings, options)
+
+    report, findings = _with_engine(settings, both)
+    code = exit_code(findings)
+    if as_json:
+        totals = report.to_dict()["totals"]
+        problems = [f for f in to_dicts(findings) if f["level"] != "ok"]
+        groups = {
+            g.group: {"lag": g.total_lag, "dead_letters": g.dead_letters} for g in report.groups
+        }
+        data = {"totals": totals, "groups": groups, "problems": problems, "exit_code": code}
+        out.print(json.dumps(data), markup=False, highlight=False, soft_wrap=True)
+        raise typer.Exit(code)
+    stale = len(report.relays) - len(report.live_relays)
+    owned = report.lanes - len(report.unowned_lanes)
+    out.print(
+        f"database {settings.safe_database_url} schema {settings.db_schema} ({report.mode}-mode)\n"
+        f"outbox   {report.pending} pending, oldest {_age(report.oldest_pending_age_seconds)}, "
+        f"{report.failed} failed\n"
+        f"relays   {len(report.live_relays)} live, {stale} stale, "
+        f"{owned}/{report.lanes} lanes owned",
+        highlight=False,
+    )
+    for g in report.groups:
+        out.print(
+            f"consumer {g.group}: lag {g.total_lag}, {g.dead_letters} dead letters"
+            + (f" ({g.error})" if g.error else ""),
+            highlight=False,
+        )
+    counts = {level: sum(f.level == level for f in findings) for level in ("ok", "warn", "error")}
+    out.print(
+        f"doctor   {counts['ok']} ok, {counts['warn']} warnings, {counts['error']} errors",
+        highlight=False,
+    )
+    if counts["warn"] or counts["error"]:
+        _print_findings(findings, show_ok=False)
+    raise typer.Exit(code)
+
+
+# ------------------------------------------------------------------------------- cleanup
+
+
+@app.command()
+def cleanup(
+    ctx: typer.Context,
+    dry_run: bool = typer.Option(False, "--dry-run", help="Only count what would be deleted."),
+    as_json: bool = typer.Option(False, "--json", help="Print the totals as JSON."),
+    batch_size: int = typer.Option(1000, "--batch-size", min=1, max=100_000),
+    published_older_than: str | None = typer.Option(
+        None,
+        "--published-older-than",
+        help="Published outbox rows to delete (default: relay.keep_published_hours; "
+        "nothing in delete-mode).",
+    ),
+    inbox_older_than: str | None = typer.Option(
+        None,
+        "--inbox-older-than",
+        help="Inbox rows to delete (default: consumer.dedupe_window_days).",
+    ),
+    failed_older_than: str | None = typer.Option(
+        None, "--failed-older-than", help="Also delete failed rows this old (e.g. 30d)."
+    ),
+    idempotency: bool = typer.Option(
+        True, "--idempotency/--no-idempotency", help="Purge expired idempotency records."
+    ),
+    pause: float = typer.Option(0.0, "--pause", min=0, help="Seconds to sleep between batches."),
+) -> None:
+    """Delete rows past retention in short, bounded batches that never lock a table."""
+    settings = settings_of(ctx)
+    default = Retention.from_settings(settings)
+    retention = run(
+        lambda: Retention(
+            published_seconds=parse_duration(published_older_than, "--published-older-than")
+            if published_older_than is not None
+            else default.published_seconds,
+            inbox_seconds=parse_duration(inbox_older_than, "--inbox-older-than")
+            if inbox_older_than is not None
+            else default.inbox_seconds,
+            failed_seconds=parse_duration(failed_older_than, "--failed-older-than"),
+            idempotency=idempotency,
+        )
+    )
+
+    def progress(result: TargetResult) -> None:
+        if not as_json and result.batches % 10 == 1:
+            console.print(
+                f"  {result.target}: {result.deleted} deleted ({result.batches} batches)",
+                highlight=False,
+            )
+
+    report = _with_engine(
+        settings,
+        lambda engine: run_cleanup(
+            engine,
+            settings,
+            retention,
+            batch_size=batch_size,
+            dry_run=dry_run,
+            pause_seconds=pause,
+            progress=progress,
+        ),
+    )
+    if as_json:
+        out.print(json.dumps(report.to_dict()), markup=False, highlight=False, soft_wrap=True)
+        return
+    verb = "would delete" if dry_run else "deleted"
+    for r in report.results:
+        cutoff = f"older than {r.cutoff:%Y-%m-%d %H:%M:%S%z}" if r.cutoff else "expired"
+        out.print(f"{r.target:12} {verb} {r.deleted} ({cutoff})", highlight=False)
+    out.print(f"total        {verb} {report.total} in {report.seconds:.1f}s", highlight=False)

@@ -1,0 +1,133 @@
+"""`outbox doctor` / `outbox status` as subprocesses against deliberately broken setups."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import psycopg
+import pytest
+from pydantic import SecretStr
+from sqlalchemy import Engine, func, insert, text
+
+from outbox import Outbox
+from outbox.envelope import Message
+from outbox.tables import build_tables
+from tests.acceptance.conftest import Cli, SchemaFactory
+
+pytestmark = pytest.mark.acceptance
+
+
+def findings(report: list[dict[str, Any]], check: str) -> list[dict[str, Any]]:
+    return [f for f in report if f["check"] == check]
+
+
+def test_doctor_flags_a_dropped_claim_index_and_its_fix_works(
+    fresh_schema: SchemaFactory, acceptance_engine: Engine
+) -> None:
+    s = fresh_schema()
+    cli = Cli(s)
+    claim = f"{s.table_prefix}events_claim_idx"
+    healthy = cli.json("doctor", "--no-kafka")  # only a warning: no relay runs
+    assert [f["level"] for f in findings(healthy, "index")] == ["ok"]
+
+    with acceptance_engine.begin() as conn:
+        conn.execute(text(f'DROP INDEX "{s.db_schema}"."{claim}"'))
+    broken = cli.json("doctor", "--no-kafka", expect_rc=1)
+    [finding] = findings(broken, "index")
+    assert finding["level"] == "error"
+    assert finding["details"]["index"] == claim
+    assert "CREATE INDEX CONCURRENTLY" in finding["action"]
+
+    # The advice is runnable as given (CONCURRENTLY needs autocommit).
+    ddl = finding["action"].removeprefix("create it: ")
+    with acceptance_engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        conn.execute(text(ddl))
+    fixed = cli.json("doctor", "--no-kafka")
+    assert [f["level"] for f in findings(fixed, "index")] == ["ok"]
+    # Warnings alone pass, unless --strict.
+    assert cli("doctor", "--no-kafka", "--strict").returncode == 2
+
+
+def test_doctor_flags_an_idle_in_transaction_session(fresh_schema: SchemaFactory) -> None:
+    s = fresh_schema()
+    cli = Cli(s)
+    with psycopg.connect(s.libpq_dsn) as idle:
+        idle.execute("SELECT txid_current()")  # opens a transaction and takes an xid
+        pid = idle.info.backend_pid
+        time.sleep(1.5)
+        report = cli.json("doctor", "--no-kafka", "--idle-seconds", "1", expect_rc=1)
+        mine = [f for f in findings(report, "idle_in_transaction") if f["details"]["pid"] == pid]
+        assert len(mine) == 1
+        assert mine[0]["level"] == "error"
+        assert mine[0]["details"]["holds_horizon"] is True
+        assert f"pg_terminate_backend({pid})" in mine[0]["action"]
+        idle.rollback()
+    report = cli.json("doctor", "--no-kafka", "--idle-seconds", "1")
+    assert not [f for f in findings(report, "idle_in_transaction") if f["level"] != "ok"]
+
+
+async def test_doctor_checks_topics_and_relays(
+    fresh_schema: SchemaFactory,
+    acceptance_engine: Engine,
+    new_topic: Callable[..., Awaitable[str]],
+) -> None:
+    s = fresh_schema(lanes=8)
+    present = await new_topic(partitions=3)
+    absent = f"absent-{uuid.uuid4().hex[:8]}"
+    t = build_tables(s)
+    with acceptance_engine.begin() as conn:
+        Outbox(s).publish(conn, topic=absent, payload={"x": 1}, event_type="t.x", key="k")
+        conn.execute(
+            insert(t.relays).values(relay_id="r-live", hostname="h1", pid=1, lanes=[0, 1, 2, 3])
+        )
+        conn.execute(
+            insert(t.relays).values(
+                relay_id="r-gone", hostname="h2", pid=2, lanes=[4, 5, 6, 7],
+                heartbeat_at=func.now() - text("interval '5 minutes'"),
+            )
+        )  # fmt: skip
+    report = Cli(s).json("doctor", "--topic", f"{present}:4", expect_rc=1)
+    topics = {f["details"]["topic"]: f for f in findings(report, "topic")}
+    assert topics[absent]["level"] == "error"  # pending rows for a topic Kafka lacks
+    assert "kafka-topics.sh" in topics[absent]["action"]
+    assert topics[present]["level"] == "warn"
+    assert topics[present]["details"] == {"topic": present, "partitions": 3, "expected": 4}
+    relays = findings(report, "relays")
+    assert any(f["details"].get("relay_id") == "r-gone" for f in relays), relays
+    assert any(f["details"].get("unowned") == [4, 5, 6, 7] for f in relays)
+
+    lag = Cli(s).json("lag", "--no-kafka")
+    alive = {r["relay_id"]: r["alive"] for r in lag["relays"]}
+    assert alive == {"r-live": True, "r-gone": False}
+    assert lag["totals"]["unowned_lanes"] == 4
+
+    status = Cli(s).json("status", "--topic", present, expect_rc=1)
+    assert status["totals"]["pending"] == 1
+    assert {p["check"] for p in status["problems"]} >= {"topic", "relays"}
+
+
+def test_doctor_reports_a_database_it_cannot_reach(fresh_schema: SchemaFactory) -> None:
+    s = fresh_schema()
+    missing_db = s.database_url.get_secret_value() + "_missing"
+    report = Cli(s.model_copy(update={"database_url": SecretStr(missing_db)})).json(
+        "doctor", "--no-kafka", expect_rc=1
+    )
+    [finding] = findings(report, "database")
+    assert finding["level"] == "error"
+    assert "DatabaseUnavailable" in finding["what"] or "unavailable" in finding["what"]
+    assert ":outbox@" not in str(report)  # the password never leaks
+
+
+def test_status_summarises(fresh_schema: SchemaFactory, acceptance_engine: Engine) -> None:
+    s = fresh_schema()
+    with acceptance_engine.begin() as conn:
+        Outbox(s).publish_many(
+            conn, [Message(topic="t-status", payload={}, event_type="t.s") for _ in range(3)]
+        )
+    proc = Cli(s)("status")
+    assert proc.returncode == 1, proc.stderr  # pending rows but no relay; topic missing
+    assert "3 pending" in proc.stdout
+    assert "no live relay" in proc.stdout
