@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from cli import db
+from cli import config, consume, db, dlq, ops, relay
 from cli.context import configure_logging
 
 app = typer.Typer(
@@ -14,6 +14,11 @@ app = typer.Typer(
     pretty_exceptions_show_locals=False,  # locals may hold DSNs with passwords
 )
 app.add_typer(db.app, name="db")
+app.add_typer(config.app, name="config")
+app.command("consume")(consume.consume)
+app.add_typer(dlq.app, name="dlq")
+app.add_typer(ops.app)  # lag, doctor, status, cleanup
+app.add_typer(relay.app)  # relay, failed list|retry|purge
 
 
 @app.callback()

@@ -1,0 +1,78 @@
+"""``outbox consume MODULE:ATTR``: run an inbox consumer until SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import os
+import signal
+import sys
+import threading
+
+import typer
+
+from cli.context import console, run, settings_of
+from inbox import Consumer, ConsumerAppNotFound, ConsumerDaemon, Metrics
+
+
+def load_consumer(target: str) -> Consumer:
+    """Import ``module:attribute`` (from the current directory too, like ``python -m``)."""
+    module_name, _, attr = target.partition(":")
+    if not module_name or not attr:
+        raise ConsumerAppNotFound(f"expected MODULE:ATTR, got {target!r}")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConsumerAppNotFound(f"cannot import {module_name!r}: {exc}") from None
+    app = getattr(module, attr, None)
+    if not isinstance(app, Consumer):
+        raise ConsumerAppNotFound(f"{target!r} is not an inbox.Consumer (got {type(app).__name__})")
+    return app
+
+
+_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+async def _serve(daemon: ConsumerDaemon, early_stop: threading.Event) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in _SIGNALS:
+        loop.add_signal_handler(sig, stop.set)
+    if early_stop.is_set():
+        stop.set()
+    await daemon.run(stop)
+
+
+def consume(
+    ctx: typer.Context,
+    target: str = typer.Argument(..., help="The consumer object, as module:attribute."),
+    metrics_port: int | None = typer.Option(
+        None, "--metrics-port", help="Serve Prometheus metrics on this port."
+    ),
+) -> None:
+    """Run an inbox consumer: effectively-once handlers, retries, dead letters.
+
+    SIGTERM/SIGINT finish the in-flight batches, commit their offsets and exit 0.
+    """
+    # A signal during start-up (imports, connecting) must also mean "stop cleanly".
+    early_stop = threading.Event()
+    for sig in _SIGNALS:
+        signal.signal(sig, lambda *_: early_stop.set())
+    settings = settings_of(ctx)
+    app = run(lambda: load_consumer(target))
+    settings = app.settings or settings
+    metrics = Metrics(app.name)
+    if metrics_port is not None:
+        from prometheus_client import start_http_server
+
+        start_http_server(metrics_port, registry=metrics.registry)
+    console.print(
+        f"consumer [bold]{app.name}[/] on {', '.join(app.topics)} "
+        f"({len(app.handlers)} handlers, database {settings.safe_database_url})",
+        highlight=False,
+    )
+    daemon = ConsumerDaemon(app, settings, metrics)
+    run(lambda: asyncio.run(_serve(daemon, early_stop)))
+    console.print(f"[green]stopped[/] {metrics.counts}", highlight=False)

@@ -1,0 +1,49 @@
+"""The inbox side of outbox-inbox: effectively-once event handlers on Kafka + PostgreSQL.
+
+::
+
+    import inbox
+
+    app = inbox.Consumer(name="billing", topics=["orders"])
+
+    @app.handler("order.created")
+    async def charge(event: OrderCreated, session: AsyncSession) -> None:
+        session.add(Charge(order_id=event.order_id))
+
+Run it with ``outbox consume mymodule:app``.
+"""
+
+from inbox.app import Consumer, Handler
+from inbox.deadletters import DeadLetters, ReplayReport
+from inbox.errors import (
+    ConsumerAppNotFound,
+    DeadLetterNotFound,
+    HandlerConfigurationError,
+    ReplayRefused,
+)
+from inbox.event import InboxEvent
+from inbox.metrics import Metrics
+from inbox.retention import delete_expired_inbox_rows
+from inbox.runner import ConsumerDaemon
+from inbox.store import DeadLetter, DeadLetterFilter, InboxStore
+from outbox.retry import Permanent, Retryable
+
+__all__ = [
+    "Consumer",
+    "ConsumerAppNotFound",
+    "ConsumerDaemon",
+    "DeadLetter",
+    "DeadLetterFilter",
+    "DeadLetterNotFound",
+    "DeadLetters",
+    "Handler",
+    "HandlerConfigurationError",
+    "InboxEvent",
+    "InboxStore",
+    "Metrics",
+    "Permanent",
+    "ReplayRefused",
+    "ReplayReport",
+    "Retryable",
+    "delete_expired_inbox_rows",
+]

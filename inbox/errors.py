@@ -1,0 +1,22 @@
+"""Errors of the inbox consumer (all subclasses of :class:`outbox.errors.OutboxError`)."""
+
+from __future__ import annotations
+
+from outbox.errors import ConfigurationError, OutboxError
+
+
+class HandlerConfigurationError(ConfigurationError):
+    """A handler or consumer was declared wrongly (duplicate type, bad signature)."""
+
+
+class ConsumerAppNotFound(ConfigurationError):
+    """``outbox consume MODULE:ATTR`` could not import or find the consumer object."""
+
+
+class DeadLetterNotFound(OutboxError):
+    """No dead letter matches the given consumer and event id."""
+
+
+class ReplayRefused(OutboxError):
+    """The event was already processed (e.g. replayed before); replaying again would
+    apply it twice."""

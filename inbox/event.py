@@ -1,0 +1,107 @@
+"""What a handler receives: a Kafka record read through the CloudEvents binary binding.
+
+Decoding is pure (no I/O). A record without a usable ``ce_id``/``ce_type`` is *malformed*:
+it still gets a deterministic id (``topic:partition:offset``) so that its dead-lettering
+is deduplicated like any other event.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+
+class KafkaRecord(Protocol):
+    """The parts of an aiokafka ``ConsumerRecord`` the inbox reads."""
+
+    @property
+    def topic(self) -> str: ...
+    @property
+    def partition(self) -> int: ...
+    @property
+    def offset(self) -> int: ...
+    @property
+    def key(self) -> bytes | None: ...
+    @property
+    def value(self) -> bytes | None: ...
+    @property
+    def headers(self) -> Sequence[tuple[str, bytes]]: ...
+
+
+@dataclass(frozen=True)
+class InboxEvent:
+    """One consumed record. ``malformed`` names what is wrong when it cannot be handled."""
+
+    event_id: str
+    event_type: str | None
+    topic: str
+    partition: int
+    offset: int
+    key: bytes | None
+    value: bytes | None
+    headers: tuple[tuple[str, bytes], ...]
+    malformed: str | None = None
+
+    def header(self, name: str) -> str | None:
+        """A header decoded as UTF-8 (the last one wins when repeated), or None."""
+        for hname, raw in reversed(self.headers):
+            if hname == name:
+                return raw.decode("utf-8", errors="replace")
+        return None
+
+    @property
+    def source(self) -> str | None:
+        return self.header("ce_source")
+
+    @property
+    def time(self) -> str | None:
+        return self.header("ce_time")
+
+    @property
+    def content_type(self) -> str | None:
+        return self.header("content-type")
+
+    def json(self) -> Any:
+        """The value parsed as JSON."""
+        import json
+
+        return json.loads(self.value or b"null")
+
+
+def _text(headers: Sequence[tuple[str, bytes]], name: str) -> str | None:
+    for hname, raw in reversed(headers):
+        if hname == name:
+            try:
+                text = bytes(raw).decode("utf-8")
+            except UnicodeDecodeError:
+                return None
+            return text or None
+    return None
+
+
+def decode(record: KafkaRecord) -> InboxEvent:
+    headers = tuple((name, bytes(value or b"")) for name, value in record.headers)
+    event_id = _text(headers, "ce_id")
+    event_type = _text(headers, "ce_type")
+    problem = None
+    if event_id is None:
+        problem = "missing or invalid ce_id header"
+    elif len(event_id) > 255:
+        problem = "ce_id header longer than 255 characters"
+    elif event_type is None:
+        problem = "missing or invalid ce_type header"
+    if problem is not None:
+        event_id = f"{record.topic}:{record.partition}:{record.offset}"
+    assert event_id is not None
+    return InboxEvent(
+        event_id=event_id,
+        event_type=event_type,
+        topic=record.topic,
+        partition=record.partition,
+        offset=record.offset,
+        key=record.key,
+        value=record.value,
+        headers=headers,
+        malformed=problem,
+    )

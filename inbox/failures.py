@@ -1,0 +1,67 @@
+"""Classifying handler failures and describing them without leaking the payload."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import psycopg.errors
+from pydantic import ValidationError
+from sqlalchemy.exc import DBAPIError
+
+from outbox.retry import is_retryable
+
+
+@dataclass(frozen=True)
+class Failure:
+    error_class: str
+    message: str
+    retryable: bool
+
+    def text(self) -> str:
+        return f"{self.error_class}: {self.message}"
+
+
+_RETRYABLE_DB = (psycopg.errors.SerializationFailure, psycopg.errors.DeadlockDetected)
+
+
+def classify(exc: BaseException, max_chars: int) -> Failure:
+    """Permanent or retryable, with a message cut to ``max_chars``.
+
+    Validation errors are permanent: the same bytes fail the same way forever. Serialization
+    failures and deadlocks are the database asking for a retry. Everything else follows
+    :func:`outbox.retry.is_retryable` (the exception's own ``retriable`` flag first).
+    """
+    orig = exc.orig if isinstance(exc, DBAPIError) else exc
+    if isinstance(exc, ValidationError):
+        # str(ValidationError) echoes the offending input (payload); report locations only.
+        message = "; ".join(
+            f"{'.'.join(str(p) for p in err['loc']) or '<root>'}: {err['msg']}"
+            for err in exc.errors(include_input=False, include_url=False)
+        )
+        retryable = False
+    else:
+        message = str(exc) or type(exc).__name__
+        retryable = isinstance(orig, _RETRYABLE_DB) or is_retryable(exc)
+    return Failure(type(exc).__name__, _cut(message, max_chars), retryable)
+
+
+def crashed(attempts: int, last: str | None, max_chars: int) -> Failure:
+    """The failure recorded when attempts ran out without an exception being seen: the
+    process died (or was killed) while running the handler."""
+    message = f"{attempts} attempts did not finish (the process died or was killed during them)"
+    if last:
+        message += f"; last error: {last}"
+    return Failure("ProcessCrashed", _cut(message, max_chars), False)
+
+
+def malformed(reason: str) -> Failure:
+    return Failure("MalformedRecord", reason, False)
+
+
+def unknown_type(event_type: str | None) -> Failure:
+    return Failure("UnknownEventType", f"no handler for event type {event_type!r}", False)
+
+
+def _cut(text: str, limit: int) -> str:
+    text = text.replace("\n", " ")
+    return text if len(text) <= limit else text[: limit - 1] + "…"

@@ -1,0 +1,81 @@
+"""The inbox's Kafka plumbing: topic checks, dead-letter topic creation, the DLQ producer."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from aiokafka import AIOKafkaProducer
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.errors import KafkaError, TopicAlreadyExistsError
+
+from outbox.errors import BrokerUnavailable, TopicMissing
+from outbox.settings import OutboxSettings
+
+log = logging.getLogger("outbox.inbox")
+_UNKNOWN_TOPIC = 3
+
+
+async def ensure_topics(settings: OutboxSettings, topics: Sequence[str]) -> None:
+    """Source topics must exist; their dead-letter topics are created if missing
+    (same partition count and replication) when ``consumer.dlq_create`` is on."""
+    suffix = settings.consumer.dlq_suffix
+    admin = AIOKafkaAdminClient(bootstrap_servers=settings.kafka_bootstrap_servers)
+    try:
+        await admin.start()
+        described = {
+            d["topic"]: d
+            for d in await admin.describe_topics([*topics, *(t + suffix for t in topics)])
+        }
+        missing_dlq: list[NewTopic] = []
+        for topic in topics:
+            source = described.get(topic)
+            if source is None or source["error_code"] == _UNKNOWN_TOPIC:
+                raise TopicMissing(topic)
+            dlq = described.get(topic + suffix)
+            if dlq is not None and dlq["error_code"] != _UNKNOWN_TOPIC:
+                continue
+            if not settings.consumer.dlq_create:
+                raise TopicMissing(topic + suffix)
+            partitions = source["partitions"]
+            replicas = len(partitions[0]["replicas"]) if partitions else 1
+            missing_dlq.append(NewTopic(topic + suffix, max(len(partitions), 1), replicas))
+        if missing_dlq:
+            # Another consumer of the group may have created it first.
+            with contextlib.suppress(TopicAlreadyExistsError):
+                await admin.create_topics(missing_dlq)
+            log.info("created dead-letter topics", extra={"topics": [t.name for t in missing_dlq]})
+    except KafkaError as exc:
+        raise BrokerUnavailable(f"Kafka admin request failed: {type(exc).__name__}") from exc
+    finally:
+        await admin.close()
+
+
+def dlq_producer(settings: OutboxSettings) -> AIOKafkaProducer:
+    # acks=all + idempotence: a dead letter acknowledged once is never lost or doubled by
+    # the producer's own retries.
+    return AIOKafkaProducer(
+        bootstrap_servers=settings.kafka_bootstrap_servers,
+        acks="all",
+        enable_idempotence=True,
+        max_request_size=max(settings.max_payload_bytes * 2, 1_048_576),
+    )
+
+
+class KafkaSink:
+    """Produces records and waits for the ack (dead letters, replays)."""
+
+    def __init__(self, producer: AIOKafkaProducer) -> None:
+        self._producer = producer
+
+    async def send(
+        self, topic: str, key: bytes | None, value: bytes | None, headers: list[tuple[str, bytes]]
+    ) -> tuple[int, int]:
+        try:
+            pending: Any = await self._producer.send(topic, value, key=key, headers=headers)
+            meta = await pending
+        except KafkaError as exc:
+            raise BrokerUnavailable(f"producing to {topic!r} failed: {type(exc).__name__}") from exc
+        return int(meta.partition), int(meta.offset)

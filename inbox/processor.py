@@ -1,0 +1,442 @@
+"""Handling the records of one partition, in offset order, effectively once.
+
+A *run* is a contiguous slice of a partition's records. Before its handlers start, the run
+writes the partition's attempt marker ("run [start, end] started") in its own small
+transaction; the run's final commit resets it. So a marker still set when the same offsets
+come back means the previous run never finished — the process died inside a handler, or
+was killed. That is how attempts are counted durably without one extra commit per event.
+
+Fast path: one transaction per run: all inbox rows claimed in one statement, handlers run
+one after another, one commit. If anything raises, the transaction is rolled back and the
+run is repeated with a SAVEPOINT per event, so a failing event does not undo its
+neighbours; the failing event is then dead-lettered (permanent error) or, for a retryable
+one, the events before it are committed and it is retried *alone* ("careful" mode) with a
+durable attempt count per try and full-jitter backoff, keeping the partition's order.
+
+After a crash the records of the unfinished run are handled in careful mode, one per
+transaction, so the event that kills the process is isolated and, after its attempts are
+used up, dead-lettered without running again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+from inbox import failures
+from inbox.app import Consumer, Handler
+from inbox.event import InboxEvent
+from inbox.failures import Failure
+from inbox.metrics import Metrics
+from inbox.store import DEAD_LETTERED, InboxStore, Marker
+from outbox.retry import RetryPolicy
+from outbox.settings import ConsumerSettings
+
+log = logging.getLogger("outbox.inbox")
+
+
+class DeadLetterSink(Protocol):
+    async def send(
+        self, topic: str, key: bytes | None, value: bytes | None, headers: list[tuple[str, bytes]]
+    ) -> tuple[int, int]:
+        """Produce one record and wait for the broker's ack; return (partition, offset)."""
+        ...
+
+
+class _Stop(Exception):
+    """The fast transaction failed and was rolled back (internal control flow).
+
+    ``index`` is the event whose handler raised, or None when the failure cannot be
+    pinned on one event (e.g. the final flush of the handlers' writes).
+    """
+
+    def __init__(self, index: int | None, cause: Exception) -> None:
+        super().__init__(index)
+        self.index = index
+        self.cause = cause
+
+
+@dataclass
+class _RetryAlone:
+    index: int  # position in the run of the event to retry alone
+    failure: Failure
+
+
+@dataclass
+class PartitionProcessor:
+    app: Consumer
+    config: ConsumerSettings
+    store: InboxStore
+    sessions: async_sessionmaker[AsyncSession]
+    sink: DeadLetterSink
+    policy: RetryPolicy
+    metrics: Metrics
+    topic: str
+    partition: int
+    stopping: asyncio.Event = field(default_factory=asyncio.Event)
+    # Called after each database commit with the next offset to consume.
+    on_progress: Callable[[int], Awaitable[None]] | None = None
+
+    @property
+    def consumer(self) -> str:
+        return self.app.name
+
+    # ------------------------------------------------------------------ driver
+
+    async def process(self, events: Sequence[InboxEvent]) -> int:
+        """Handle ``events`` (consecutive, one partition); return how many were finished.
+
+        Stops early (between runs, or during a retry's backoff) when ``stopping`` is set;
+        the caller re-reads the rest from Kafka.
+        """
+        done = 0
+        while done < len(events) and not self.stopping.is_set():
+            run = events[done:]
+            async with self.sessions() as session, session.begin():
+                prev = await self.store.marker(session, self.consumer, self.topic, self.partition)
+            first, last = run[0].offset, run[-1].offset
+            if prev is not None and prev.attempts > 0 and first <= prev.start_offset <= last:
+                if prev.start_offset > first:
+                    # Records before the unfinished run were finished before it started.
+                    ahead = [e for e in run if e.offset < prev.start_offset]
+                    done += await self._batch(ahead, mark=False)
+                    continue
+                # The previous run over these offsets never finished: it may have killed
+                # the process. Handle its records one at a time.
+                n = await self._recover(run, prev)
+            elif prev is not None and prev.attempts > 0 and prev.start_offset > last:
+                n = await self._batch(run, mark=False)  # all before the unfinished run
+            else:
+                n = await self._batch(run, mark=True)
+            if n == 0:
+                break
+            done += n
+        return done
+
+    async def _recover(self, run: Sequence[InboxEvent], prev: Marker) -> int:
+        crashed = [e for e in run if e.offset <= prev.end_offset]
+        if prev.start_offset == prev.end_offset:
+            # A single-record marker counts that record's attempts exactly.
+            return int(await self._alone(crashed[0], prev.attempts, prev.last_error))
+        # A batch marker says only that the batch died somewhere in it. Each of its
+        # records runs alone; the one that dies again is charged the batch run as well,
+        # so a process-killing handler runs exactly max_attempts times (for N >= 2).
+        done = 0
+        for event in crashed:
+            if not await self._alone(event, 0, None, charge=1):
+                break
+            done += 1
+        return done
+
+    # -------------------------------------------------------------- batch paths
+
+    async def _mark(self, marker: Marker) -> None:
+        async with self.sessions() as session, session.begin():
+            await self.store.set_marker(session, self.consumer, self.topic, self.partition, marker)
+
+    async def _progress(self, event: InboxEvent) -> None:
+        if self.on_progress is not None:
+            await self.on_progress(event.offset + 1)
+
+    async def _batch(self, run: Sequence[InboxEvent], *, mark: bool) -> int:
+        """Handle a run in batch mode; return how many records were finished."""
+        if mark:
+            await self._mark(Marker(run[0].offset, run[-1].offset, 1, None))
+        if self.config.transaction_per == "event":
+            chunks = [run[i : i + 1] for i in range(len(run))]
+        else:
+            chunks = [run]
+        done = 0
+        for n, chunk in enumerate(chunks):
+            finish = n == len(chunks) - 1
+            result = await self._chunk(chunk, finish_marker=finish)
+            if isinstance(result, _RetryAlone):
+                done += result.index
+                if not await self._alone(chunk[result.index], 1, result.failure):
+                    return done
+                return done + 1
+            done += result
+            if n < len(chunks) - 1 and self.stopping.is_set():
+                break
+        return done
+
+    async def _chunk(
+        self, chunk: Sequence[InboxEvent], *, finish_marker: bool
+    ) -> int | _RetryAlone:
+        if not any(self._needs_policy(e) for e in chunk):
+            try:
+                return await self._fast(chunk, finish_marker)
+            except _Stop as stop:
+                if stop.index is not None:
+                    # That run was the failing event's first attempt. Commit the events
+                    # before it; it continues alone (retried, or dead-lettered).
+                    failure = failures.classify(stop.cause, self.config.error_message_chars)
+                    done = 0
+                    if stop.index:
+                        done = await self._prefix(chunk[: stop.index])
+                        if done < stop.index:
+                            return done
+                    return _RetryAlone(stop.index, failure)
+        return await self._savepointed(chunk, finish_marker)
+
+    async def _prefix(self, chunk: Sequence[InboxEvent]) -> int:
+        result = await self._chunk(chunk, finish_marker=False)
+        if isinstance(result, _RetryAlone):
+            # Cannot happen with deterministic handlers; treat as a fresh failure there.
+            if not await self._alone(chunk[result.index], 1, result.failure):
+                return result.index
+            return result.index + 1
+        return result
+
+    def _handler(self, event: InboxEvent) -> Handler | None:
+        return self.app.handlers.get(event.event_type or "")
+
+    def _needs_policy(self, event: InboxEvent) -> bool:
+        return event.malformed is not None or self._handler(event) is None
+
+    def _max_attempts(self, event: InboxEvent) -> int:
+        handler = self._handler(event)
+        if handler is not None and handler.max_attempts is not None:
+            return handler.max_attempts
+        return self.config.max_attempts
+
+    async def _run_handler(self, event: InboxEvent, session: AsyncSession) -> None:
+        handler = self._handler(event)
+        assert handler is not None
+        started = time.perf_counter()
+        try:
+            await handler(event, session)
+        finally:
+            self.metrics.handler_seconds(time.perf_counter() - started)
+
+    async def _fast(self, chunk: Sequence[InboxEvent], finish_marker: bool) -> int:
+        """One transaction, no savepoints. Raises _Stop if anything failed (rolled back)."""
+        # The same event twice in one fetch: only the first copy is claimed.
+        unique: dict[str, InboxEvent] = {}
+        for event in chunk:
+            unique.setdefault(event.event_id, event)
+        index: int | None = None
+        try:
+            async with self.sessions() as session, session.begin():
+                fresh = await self.store.claim(session, self.consumer, list(unique.values()))
+                for i, event in enumerate(chunk):
+                    if event.event_id in fresh and unique[event.event_id] is event:
+                        index = i
+                        await self._run_handler(event, session)
+                index = None
+                if finish_marker:
+                    await self.store.finish_marker(
+                        session, self.consumer, self.topic, self.partition
+                    )
+                await session.flush()  # handler writes fail here, not inside commit
+        except Exception as exc:
+            log.debug("batch transaction failed", extra={"error": type(exc).__name__})
+            raise _Stop(index, exc) from exc
+        self.metrics.processed(len(fresh))
+        self.metrics.duplicates(len(chunk) - len(fresh))
+        await self._progress(chunk[-1])
+        return len(chunk)
+
+    async def _savepointed(
+        self, chunk: Sequence[InboxEvent], finish_marker: bool
+    ) -> int | _RetryAlone:
+        processed = duplicates = dead = skipped = 0
+        stop: _RetryAlone | None = None
+        async with self.sessions() as session, session.begin():
+            for index, event in enumerate(chunk):
+                if self._needs_policy(event):
+                    if await self._apply_policy(session, event):
+                        dead += 1
+                    else:
+                        skipped += 1
+                    continue
+                savepoint = await session.begin_nested()
+                try:
+                    if not await self.store.claim(session, self.consumer, [event]):
+                        await savepoint.commit()
+                        duplicates += 1
+                        continue
+                    await self._run_handler(event, session)
+                    await savepoint.commit()  # flushes: handler write errors surface here
+                    processed += 1
+                except Exception as exc:
+                    await savepoint.rollback()
+                    failure = failures.classify(exc, self.config.error_message_chars)
+                    if failure.retryable and self._max_attempts(event) > 1:
+                        stop = _RetryAlone(index, failure)
+                        break
+                    if await self._dead_letter(session, event, failure, attempts=1):
+                        dead += 1
+            if stop is None and finish_marker:
+                await self.store.finish_marker(session, self.consumer, self.topic, self.partition)
+        self._count(processed, duplicates, dead, skipped)
+        if stop is not None:
+            if stop.index:
+                await self._progress(chunk[stop.index - 1])
+            return stop
+        await self._progress(chunk[-1])
+        return len(chunk)
+
+    def _count(self, processed: int, duplicates: int, dead: int, skipped: int) -> None:
+        self.metrics.processed(processed)
+        self.metrics.duplicates(duplicates)
+        self.metrics.dead_lettered(dead)
+        self.metrics.skipped(skipped)
+
+    # ------------------------------------------------------------- careful path
+
+    async def _alone(
+        self, event: InboxEvent, prior: int, previous: Failure | str | None, *, charge: int = 0
+    ) -> bool:
+        """Handle one event in its own transactions, counting each attempt durably before
+        it runs. ``prior`` attempts were already made, the last one failing with
+        ``previous`` (a Failure seen in this process, or the text recorded in the marker).
+        ``charge`` extra attempts are recorded durably with the first attempt only: they
+        count if this attempt kills the process. False if stopped before finishing."""
+        if self._needs_policy(event):
+            async with self.sessions() as session, session.begin():
+                dead = await self._apply_policy(session, event)
+                await self.store.finish_marker(session, self.consumer, self.topic, self.partition)
+            self._count(0, 0, int(dead), int(not dead))
+            await self._progress(event)
+            return True
+        limit = self._max_attempts(event)
+        attempts = prior
+        last_error = previous.text() if isinstance(previous, Failure) else previous
+        if isinstance(previous, Failure) and (not previous.retryable or prior >= limit):
+            await self._dead_letter_alone(event, previous, prior)
+            return True
+        while True:
+            if attempts >= limit:
+                failure = failures.crashed(attempts, last_error, self.config.error_message_chars)
+                await self._dead_letter_alone(event, failure, attempts)
+                return True
+            if attempts > 0:
+                self.metrics.retries()
+                if await self._sleep(self.policy.backoff(attempts - 1)):
+                    return False
+            attempts += 1
+            await self._mark(Marker(event.offset, event.offset, attempts + charge, last_error))
+            charge = 0
+            try:
+                async with self.sessions() as session, session.begin():
+                    fresh = await self.store.claim(
+                        session, self.consumer, [event], attempts=attempts
+                    )
+                    if fresh:
+                        await self._run_handler(event, session)
+                    await self.store.finish_marker(
+                        session, self.consumer, self.topic, self.partition
+                    )
+            except Exception as exc:
+                failure = failures.classify(exc, self.config.error_message_chars)
+                log.info(
+                    "handler failed",
+                    extra={
+                        "consumer": self.consumer,
+                        "event_id": event.event_id,
+                        "attempt": attempts,
+                        "error": failure.error_class,
+                        "retryable": failure.retryable,
+                    },
+                )
+                if not failure.retryable or attempts >= limit:
+                    await self._dead_letter_alone(event, failure, attempts)
+                    return True
+                last_error = failure.text()
+                await self._mark(Marker(event.offset, event.offset, attempts, last_error))
+                continue
+            self._count(int(bool(fresh)), int(not fresh), 0, 0)
+            await self._progress(event)
+            return True
+
+    async def _sleep(self, seconds: float) -> bool:
+        """Back off; True if asked to stop meanwhile."""
+        try:
+            await asyncio.wait_for(self.stopping.wait(), timeout=seconds)
+        except TimeoutError:
+            return False
+        return True
+
+    async def _dead_letter_alone(self, event: InboxEvent, failure: Failure, attempts: int) -> None:
+        async with self.sessions() as session, session.begin():
+            dead = await self._dead_letter(session, event, failure, attempts)
+            await self.store.finish_marker(session, self.consumer, self.topic, self.partition)
+        self._count(0, int(not dead), int(dead), 0)
+        await self._progress(event)
+
+    # ------------------------------------------------------------- dead letters
+
+    async def _apply_policy(self, session: AsyncSession, event: InboxEvent) -> bool:
+        """Unknown type or malformed record: dead-letter or skip. True if dead-lettered."""
+        if event.malformed is not None:
+            failure, policy = failures.malformed(event.malformed), self.config.malformed_policy
+        else:
+            failure = failures.unknown_type(event.event_type)
+            policy = self.config.unknown_type_policy
+        if policy == "skip":
+            log.debug("skipped", extra={"event_id": event.event_id, "reason": failure.message})
+            return False
+        return await self._dead_letter(session, event, failure, attempts=0)
+
+    async def _dead_letter(
+        self, session: AsyncSession, event: InboxEvent, failure: Failure, attempts: int
+    ) -> bool:
+        """Send the original record to the DLQ and record it, in ``session``'s transaction.
+
+        The inbox row is claimed first: a duplicate is not dead-lettered twice. The produce
+        is acknowledged before the commit; a crash in between re-sends it (the DLQ topic is
+        at-least-once; the dead_letters table, keyed by event id, is the source of truth).
+        """
+        claimed = await self.store.claim(
+            session,
+            self.consumer,
+            [event],
+            status=DEAD_LETTERED,
+            attempts=attempts,
+            last_error=failure.text(),
+        )
+        if not claimed:
+            return False
+        dlq_topic = event.topic + self.config.dlq_suffix
+        headers = [
+            *event.headers,
+            ("dlq_error_class", failure.error_class.encode()),
+            ("dlq_error_message", failure.message.encode()),
+            ("dlq_attempts", str(attempts).encode()),
+            ("dlq_consumer", self.consumer.encode()),
+            ("dlq_original_topic", event.topic.encode()),
+            ("dlq_original_partition", str(event.partition).encode()),
+            ("dlq_original_offset", str(event.offset).encode()),
+        ]
+        partition, offset = await self.sink.send(dlq_topic, event.key, event.value, headers)
+        await self.store.add_dead_letter(
+            session,
+            self.consumer,
+            event,
+            error_class=failure.error_class,
+            error_message=failure.message,
+            attempts=attempts,
+            dlq_topic=dlq_topic,
+            dlq_partition=partition,
+            dlq_offset=offset,
+        )
+        log.warning(
+            "dead-lettered",
+            extra={
+                "consumer": self.consumer,
+                "event_id": event.event_id,
+                "topic": event.topic,
+                "partition": event.partition,
+                "offset": event.offset,
+                "error": failure.error_class,
+                "attempts": attempts,
+            },
+        )
+        return True

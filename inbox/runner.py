@@ -1,0 +1,310 @@
+"""The consumer daemon: fetch, hand each partition's batch to its processor, commit offsets.
+
+Each assigned partition gets a lane: a task handling its fetched records in offset order,
+one batch at a time. Lanes run concurrently (up to ``max_concurrent_partitions``); a lane
+far behind pauses its partition's fetching. Offsets are committed only after the database
+commit that finished them, never by auto-commit, by a committer task that coalesces them
+so handlers never wait for a Kafka round trip. On revocation a revoked partition's
+in-flight run finishes (a retry backing off is abandoned before its next attempt) and its
+offsets are committed before the rebalance proceeds; the new owner starts at the committed
+offset and the inbox dedupes the rest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
+from aiokafka.abc import ConsumerRebalanceListener
+from aiokafka.errors import CommitFailedError, IllegalStateError, KafkaError
+from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
+
+from inbox.app import Consumer
+from inbox.event import decode
+from inbox.kafka import KafkaSink, dlq_producer, ensure_topics
+from inbox.metrics import Metrics
+from inbox.processor import PartitionProcessor
+from inbox.store import InboxStore
+from outbox.db import async_engine
+from outbox.errors import OutboxError
+from outbox.retry import RetryPolicy
+from outbox.settings import OutboxSettings
+from outbox.tables import build_tables
+
+log = logging.getLogger("outbox.inbox")
+STATUS_EVERY_SECONDS = 10.0
+
+
+def _transient(exc: BaseException) -> bool:
+    """Infrastructure trouble (database or broker unreachable): retry the batch without
+    charging the events an attempt."""
+    if isinstance(exc, OutboxError):
+        return exc.retriable
+    if isinstance(exc, OperationalError | InterfaceError):
+        return True
+    if isinstance(exc, DBAPIError):
+        return bool(exc.connection_invalidated)
+    return isinstance(exc, KafkaError) and bool(getattr(exc, "retriable", False))
+
+
+class _Listener(ConsumerRebalanceListener):  # type: ignore[misc]
+    def __init__(self, daemon: ConsumerDaemon) -> None:
+        self._daemon = daemon
+
+    async def on_partitions_revoked(self, revoked: Sequence[TopicPartition]) -> None:
+        await self._daemon.release(revoked)
+
+    async def on_partitions_assigned(self, assigned: Sequence[TopicPartition]) -> None:
+        log.info("partitions assigned", extra={"partitions": sorted(str(tp) for tp in assigned)})
+
+
+@dataclass
+class ConsumerDaemon:
+    app: Consumer
+    settings: OutboxSettings
+    metrics: Metrics | None = None
+    _engine: AsyncEngine | None = field(default=None, init=False)
+    _kafka: AIOKafkaConsumer | None = field(default=None, init=False)
+    _lanes: dict[TopicPartition, _Lane] = field(default_factory=dict, init=False)
+    _pending_offsets: dict[TopicPartition, int] = field(default_factory=dict, init=False)
+    _offsets_ready: asyncio.Event = field(default_factory=asyncio.Event, init=False)
+    _failure: BaseException | None = field(default=None, init=False)
+
+    def __post_init__(self) -> None:
+        if self.metrics is None:
+            self.metrics = Metrics(self.app.name)
+        config = self.settings.consumer
+        self._policy = RetryPolicy(
+            self.settings.retry.base_seconds, self.settings.retry.cap_seconds, config.max_attempts
+        )
+        self._slots = asyncio.Semaphore(config.max_concurrent_partitions)
+        self._store = InboxStore(build_tables(self.settings))
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Consume until ``stop`` is set; then finish in-flight batches, commit, leave."""
+        config = self.settings.consumer
+        await ensure_topics(self.settings, self.app.topics)
+        self._engine = async_engine(
+            self.settings, pool_size=config.max_concurrent_partitions + 2, max_overflow=4
+        )
+        sessions = async_sessionmaker(self._engine, expire_on_commit=False)
+        producer = dlq_producer(self.settings)
+        options: dict[str, Any] = {
+            "auto_offset_reset": "earliest",
+            "max_poll_records": config.max_batch_records,
+            **self.app.kafka_options,
+        }
+        kafka = AIOKafkaConsumer(
+            bootstrap_servers=self.settings.kafka_bootstrap_servers,
+            group_id=self.app.name,
+            enable_auto_commit=False,
+            **options,
+        )
+        self._kafka = kafka
+        try:
+            await producer.start()
+            await kafka.start()
+            kafka.subscribe(list(self.app.topics), listener=_Listener(self))
+            log.info(
+                "consumer started",
+                extra={"consumer": self.app.name, "topics": list(self.app.topics)},
+            )
+            await self._loop(stop, sessions, KafkaSink(producer))
+        finally:
+            await self.release(list(self._lanes))
+            await kafka.stop()  # leaves the group so partitions move on at once
+            await producer.stop()
+            await self._engine.dispose()
+            log.info("consumer stopped", extra={"consumer": self.app.name, **self._counts()})
+        if self._failure is not None:
+            raise self._failure
+
+    def _counts(self) -> dict[str, int]:
+        assert self.metrics is not None
+        return dict(self.metrics.counts)
+
+    async def _loop(
+        self, stop: asyncio.Event, sessions: async_sessionmaker[AsyncSession], sink: KafkaSink
+    ) -> None:
+        assert self._kafka is not None
+        config = self.settings.consumer
+        committer = asyncio.create_task(self._committer())
+        committer.add_done_callback(self._watch_committer)
+        next_status = time.monotonic() + STATUS_EVERY_SECONDS
+        try:
+            while not stop.is_set() and self._failure is None:
+                batches = await self._kafka.getmany(
+                    timeout_ms=config.fetch_timeout_ms, max_records=config.max_batch_records * 4
+                )
+                for tp, records in batches.items():
+                    if records:
+                        self._lane(tp, sessions, sink).feed(records)
+                if time.monotonic() >= next_status:
+                    next_status = time.monotonic() + STATUS_EVERY_SECONDS
+                    log.info("consumer status", extra={"consumer": self.app.name, **self._counts()})
+        finally:
+            committer.cancel()
+
+    def _lane(
+        self,
+        tp: TopicPartition,
+        sessions: async_sessionmaker[AsyncSession],
+        sink: KafkaSink,
+    ) -> _Lane:
+        assert self._kafka is not None and self.metrics is not None
+        lane = self._lanes.get(tp)
+        if lane is None:
+            processor = PartitionProcessor(
+                app=self.app,
+                config=self.settings.consumer,
+                store=self._store,
+                sessions=sessions,
+                sink=sink,
+                policy=self._policy,
+                metrics=self.metrics,
+                topic=tp.topic,
+                partition=tp.partition,
+            )
+            lane = _Lane(self, tp, processor)
+            processor.on_progress = lane.progress
+            self._lanes[tp] = lane
+            lane.task = asyncio.create_task(lane.work())
+            lane.task.add_done_callback(self._watch)
+        return lane
+
+    def _watch(self, task: asyncio.Task[None]) -> None:
+        if not task.cancelled() and task.exception() is not None and self._failure is None:
+            # A bug, not a handler error (those are handled): stop the daemon loudly.
+            self._failure = task.exception()
+
+    def _watch_committer(self, task: asyncio.Task[None]) -> None:
+        self._watch(task)
+
+    # ------------------------------------------------------------------ offsets
+
+    def _offset_done(self, tp: TopicPartition, offset: int) -> None:
+        self._pending_offsets[tp] = offset
+        self._offsets_ready.set()
+
+    async def _committer(self) -> None:
+        """Commit the newest finished offsets, coalesced: the handler path never waits for
+        a Kafka round trip, and one request covers every partition that moved."""
+        while True:
+            await self._offsets_ready.wait()
+            await self.flush_offsets()
+
+    async def flush_offsets(self, only: Sequence[TopicPartition] | None = None) -> None:
+        self._offsets_ready.clear()
+        picked = {
+            tp: off for tp, off in self._pending_offsets.items() if only is None or tp in only
+        }
+        for tp in picked:
+            del self._pending_offsets[tp]
+        for tp, offset in picked.items():
+            await self._commit(tp, offset)
+
+    async def _commit(self, tp: TopicPartition, offset: int) -> None:
+        assert self._kafka is not None
+        try:
+            await self._kafka.commit({tp: offset})
+        except (CommitFailedError, IllegalStateError) as exc:
+            # The partition moved to another member; it re-reads from the last committed
+            # offset and the inbox skips what this member already applied.
+            log.warning(
+                "offset commit refused", extra={"partition": str(tp), "error": type(exc).__name__}
+            )
+        except KafkaError as exc:
+            log.warning(
+                "offset commit failed", extra={"partition": str(tp), "error": type(exc).__name__}
+            )
+
+    async def release(self, tps: Sequence[TopicPartition]) -> None:
+        """Stop the given partitions after their current run, wait, and commit their offsets.
+
+        Records fetched but not started are dropped: the next owner reads them again from
+        the committed offset.
+        """
+        lanes = [lane for tp in tps if (lane := self._lanes.pop(tp, None)) is not None]
+        for lane in lanes:
+            lane.processor.stopping.set()
+            lane.wake.set()
+        await asyncio.gather(*(lane.task for lane in lanes if lane.task), return_exceptions=True)
+        await self.flush_offsets(only=[lane.tp for lane in lanes])
+        if lanes:
+            log.info("partitions released", extra={"partitions": sorted(str(x.tp) for x in lanes)})
+
+
+@dataclass
+class _Lane:
+    """One assigned partition: its fetched records and the task handling them in order."""
+
+    daemon: ConsumerDaemon
+    tp: TopicPartition
+    processor: PartitionProcessor
+    records: list[ConsumerRecord[bytes, bytes]] = field(default_factory=list)
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    task: asyncio.Task[None] | None = None
+    position: int = -1
+    paused: bool = False
+
+    def feed(self, records: list[ConsumerRecord[bytes, bytes]]) -> None:
+        self.records.extend(records)
+        self.wake.set()
+        # Backpressure: stop fetching this partition while it is far behind.
+        limit = self.daemon.settings.consumer.max_batch_records * 4
+        if len(self.records) >= limit and not self.paused:
+            assert self.daemon._kafka is not None
+            self.daemon._kafka.pause(self.tp)
+            self.paused = True
+
+    async def progress(self, offset: int) -> None:
+        self.position = offset
+        self.daemon._offset_done(self.tp, offset)
+
+    async def work(self) -> None:
+        config = self.daemon.settings.consumer
+        stopping = self.processor.stopping
+        failures = 0
+        while not stopping.is_set():
+            if not self.records:
+                self.wake.clear()
+                await self.wake.wait()
+                continue
+            batch = self.records[: config.max_batch_records]
+            async with self.daemon._slots:
+                if stopping.is_set():
+                    break
+                try:
+                    await self.processor.process([decode(r) for r in batch])
+                    failures = 0
+                except Exception as exc:
+                    if not _transient(exc):
+                        raise
+                    failures += 1
+                    delay = self.daemon._policy.backoff(min(failures, 10))
+                    log.warning(
+                        "infrastructure error, retrying batch",
+                        extra={
+                            "partition": str(self.tp),
+                            "error": type(exc).__name__,
+                            "retry_in": round(delay, 2),
+                        },
+                    )
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(stopping.wait(), delay)
+            # Drop what is finished; the rest (a stop or an error) is tried again.
+            self.records = [r for r in self.records if r.offset >= self.position]
+            if self.paused and len(self.records) < config.max_batch_records:
+                self.paused = False
+                with contextlib.suppress(IllegalStateError):
+                    assert self.daemon._kafka is not None
+                    self.daemon._kafka.resume(self.tp)

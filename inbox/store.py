@@ -1,0 +1,364 @@
+"""The inbox's SQL, in one place. Nothing else in ``inbox`` builds statements.
+
+Every method takes the caller's session or connection so that the inbox row, the
+handler's writes and the attempt marker share the caller's transaction.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import (
+    BigInteger,
+    Integer,
+    Text,
+    and_,
+    bindparam,
+    column,
+    delete,
+    func,
+    literal,
+    literal_column,
+    or_,
+    select,
+    tuple_,
+    update,
+)
+from sqlalchemy.dialects.postgresql import ARRAY, insert
+from sqlalchemy.engine import Connection
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
+from sqlalchemy.sql.dml import Delete
+
+from inbox.event import InboxEvent
+from outbox.tables import Tables
+
+Executor = AsyncSession | AsyncConnection
+
+PROCESSED = "processed"
+DEAD_LETTERED = "dead_lettered"
+REPLAYING = "replaying"
+
+
+@dataclass(frozen=True)
+class Marker:
+    """The durable attempt marker of one partition (see ``tables._inbox_attempts``)."""
+
+    start_offset: int
+    end_offset: int
+    attempts: int
+    last_error: str | None
+
+
+@dataclass(frozen=True)
+class DeadLetter:
+    consumer: str
+    event_id: str
+    topic: str
+    partition: int
+    offset: int
+    event_type: str | None
+    key: bytes | None
+    value: bytes | None
+    headers: tuple[tuple[str, bytes], ...]
+    error_class: str
+    error_message: str
+    attempts: int
+    dlq_topic: str
+    dlq_partition: int | None
+    dlq_offset: int | None
+    dead_lettered_at: dt.datetime
+    replays: int
+    replayed_at: dt.datetime | None
+    inbox_status: str | None
+
+
+@dataclass(frozen=True)
+class DeadLetterFilter:
+    consumer: str | None = None
+    event_id: str | None = None
+    topic: str | None = None
+    event_type: str | None = None
+    error_class: str | None = None
+    before: dt.datetime | None = None
+
+
+@dataclass(frozen=True)
+class InboxStore:
+    tables: Tables
+
+    # ------------------------------------------------------------------ inbox rows
+
+    async def claim(
+        self,
+        db: Executor,
+        consumer: str,
+        events: Sequence[InboxEvent],
+        *,
+        status: str = PROCESSED,
+        attempts: int = 1,
+        last_error: str | None = None,
+    ) -> set[str]:
+        """Insert inbox rows; return the event ids that were new (the others are duplicates).
+
+        One statement for any number of events (unnest). A row left ``replaying`` by
+        ``outbox dlq replay`` counts as new exactly once: the conditional DO UPDATE flips
+        it, so a second copy of the replayed record is a duplicate again. Callers pass
+        distinct event ids (DO UPDATE may not touch one row twice in a statement).
+        """
+        if not events:
+            return set()
+        inbox = self.tables.inbox
+        src = (
+            func.unnest(
+                bindparam("ids", type_=ARRAY(Text)),
+                bindparam("topics", type_=ARRAY(Text)),
+                bindparam("partitions", type_=ARRAY(Integer)),
+                bindparam("offsets", type_=ARRAY(BigInteger)),
+                bindparam("types", type_=ARRAY(Text)),
+            )
+            .table_valued(
+                column("event_id"),
+                column("topic"),
+                column("partition"),
+                column("offset"),
+                column("event_type"),
+            )
+            .render_derived(name="m")
+        )
+        rows = select(
+            literal(consumer, Text),
+            src.c.event_id,
+            src.c.topic,
+            src.c.partition,
+            src.c.offset,
+            src.c.event_type,
+            literal(status, Text),
+            literal(attempts, Integer),
+            literal(last_error, Text),
+            func.now(),
+        )
+        stmt = insert(inbox).from_select(
+            [
+                "consumer",
+                "event_id",
+                "topic",
+                "partition",
+                "offset",
+                "event_type",
+                "status",
+                "attempts",
+                "last_error",
+                "processed_at",
+            ],
+            rows,
+        )
+        claim = stmt.on_conflict_do_update(
+            index_elements=["consumer", "event_id"],
+            set_={
+                name: stmt.excluded[name]
+                for name in (
+                    "topic",
+                    "partition",
+                    "offset",
+                    "status",
+                    "attempts",
+                    "last_error",
+                    "processed_at",
+                )
+            },
+            where=inbox.c.status == REPLAYING,
+        ).returning(inbox.c.event_id)
+        result = await db.execute(
+            claim,
+            {
+                "ids": [e.event_id for e in events],
+                "topics": [e.topic for e in events],
+                "partitions": [e.partition for e in events],
+                "offsets": [e.offset for e in events],
+                "types": [e.event_type for e in events],
+            },
+        )
+        return set(result.scalars())
+
+    def delete_expired_statement(self, older_than: dt.timedelta, limit: int) -> Delete:
+        """DELETE at most ``limit`` inbox rows processed before ``now() - older_than``.
+
+        Bounded so that retention never runs one huge DELETE (lock time, WAL burst, bloat);
+        ``ctid`` lets the inner LIMIT pick the victims through the processed_at index.
+        """
+        inbox = self.tables.inbox
+        victims = (
+            select(literal_column("ctid"))
+            .select_from(inbox)
+            .where(inbox.c.processed_at < func.now() - older_than)
+            .limit(limit)
+            .scalar_subquery()
+        )
+        return delete(inbox).where(literal_column("ctid") == func.any(func.array(victims)))
+
+    def delete_expired(self, conn: Connection, older_than: dt.timedelta, limit: int) -> int:
+        """Run one bounded retention batch on a sync connection; rows deleted."""
+        return int(conn.execute(self.delete_expired_statement(older_than, limit)).rowcount)
+
+    async def inbox_status(self, db: Executor, consumer: str, event_id: str) -> str | None:
+        inbox = self.tables.inbox
+        result = await db.execute(
+            select(inbox.c.status).where(inbox.c.consumer == consumer, inbox.c.event_id == event_id)
+        )
+        return result.scalar_one_or_none()
+
+    # -------------------------------------------------------------- attempt marker
+
+    def _marker_key(self, consumer: str, topic: str, partition: int) -> Any:
+        t = self.tables.inbox_attempts
+        return and_(t.c.consumer == consumer, t.c.topic == topic, t.c.partition == partition)
+
+    async def marker(
+        self, db: Executor, consumer: str, topic: str, partition: int
+    ) -> Marker | None:
+        t = self.tables.inbox_attempts
+        row = (
+            await db.execute(
+                select(t.c.start_offset, t.c.end_offset, t.c.attempts, t.c.last_error).where(
+                    self._marker_key(consumer, topic, partition)
+                )
+            )
+        ).one_or_none()
+        return Marker(*row) if row is not None else None
+
+    async def set_marker(
+        self, db: Executor, consumer: str, topic: str, partition: int, marker: Marker
+    ) -> None:
+        t = self.tables.inbox_attempts
+        values = {
+            "start_offset": marker.start_offset,
+            "end_offset": marker.end_offset,
+            "attempts": marker.attempts,
+            "last_error": marker.last_error,
+            "updated_at": func.now(),
+        }
+        stmt = insert(t).values(consumer=consumer, topic=topic, partition=partition, **values)
+        await db.execute(
+            stmt.on_conflict_do_update(
+                index_elements=["consumer", "topic", "partition"], set_=values
+            )
+        )
+
+    async def finish_marker(self, db: Executor, consumer: str, topic: str, partition: int) -> None:
+        """Mark the partition's run finished (in the run's own commit)."""
+        t = self.tables.inbox_attempts
+        await db.execute(
+            update(t)
+            .where(self._marker_key(consumer, topic, partition), t.c.attempts != 0)
+            .values(attempts=0, last_error=None, updated_at=func.now())
+        )
+
+    # ---------------------------------------------------------------- dead letters
+
+    async def add_dead_letter(
+        self,
+        db: Executor,
+        consumer: str,
+        event: InboxEvent,
+        *,
+        error_class: str,
+        error_message: str,
+        attempts: int,
+        dlq_topic: str,
+        dlq_partition: int | None,
+        dlq_offset: int | None,
+    ) -> None:
+        t = self.tables.dead_letters
+        values: dict[str, Any] = {
+            "topic": event.topic,
+            "partition": event.partition,
+            "offset": event.offset,
+            "event_type": event.event_type,
+            "key": event.key,
+            "value": event.value,
+            "header_names": [h for h, _ in event.headers],
+            "header_values": [v for _, v in event.headers],
+            "error_class": error_class,
+            "error_message": error_message,
+            "attempts": attempts,
+            "dlq_topic": dlq_topic,
+            "dlq_partition": dlq_partition,
+            "dlq_offset": dlq_offset,
+            "dead_lettered_at": func.now(),
+        }
+        stmt = insert(t).values(consumer=consumer, event_id=event.event_id, **values)
+        # A replayed event that fails again updates its row; `replays` is kept.
+        await db.execute(
+            stmt.on_conflict_do_update(index_elements=["consumer", "event_id"], set_=values)
+        )
+
+    def _dead_letter_query(self, f: DeadLetterFilter) -> Any:
+        t, inbox = self.tables.dead_letters, self.tables.inbox
+        query = select(t, inbox.c.status).select_from(
+            t.outerjoin(
+                inbox, and_(inbox.c.consumer == t.c.consumer, inbox.c.event_id == t.c.event_id)
+            )
+        )
+        for col, value in (
+            (t.c.consumer, f.consumer),
+            (t.c.event_id, f.event_id),
+            (t.c.topic, f.topic),
+            (t.c.event_type, f.event_type),
+            (t.c.error_class, f.error_class),
+        ):
+            if value is not None:
+                query = query.where(col == value)
+        if f.before is not None:
+            query = query.where(t.c.dead_lettered_at < f.before)
+        return query
+
+    async def dead_letters(
+        self, db: Executor, f: DeadLetterFilter, limit: int | None = None
+    ) -> list[DeadLetter]:
+        t = self.tables.dead_letters
+        query = self._dead_letter_query(f).order_by(t.c.dead_lettered_at, t.c.event_id)
+        if limit is not None:
+            query = query.limit(limit)
+        out = []
+        for row in (await db.execute(query)).mappings():
+            data = dict(row)
+            names, values = data.pop("header_names"), data.pop("header_values")
+            data["headers"] = tuple(zip(names, (bytes(v) for v in values), strict=True))
+            data["inbox_status"] = data.pop("status")
+            out.append(DeadLetter(**data))
+        return out
+
+    async def mark_replaying(self, db: Executor, letter: DeadLetter) -> bool:
+        """Let the next copy of this event through the inbox once. False if it was
+        already processed (a replay must never apply an event twice)."""
+        inbox, t = self.tables.inbox, self.tables.dead_letters
+        result = await db.execute(
+            update(inbox)
+            .where(
+                inbox.c.consumer == letter.consumer,
+                inbox.c.event_id == letter.event_id,
+                or_(inbox.c.status == DEAD_LETTERED, inbox.c.status == REPLAYING),
+            )
+            .values(status=REPLAYING)
+        )
+        if result.rowcount == 0:  # type: ignore[attr-defined]
+            status = await self.inbox_status(db, letter.consumer, letter.event_id)
+            # No row at all: retention removed it, so the event is unknown to the inbox
+            # and the replayed copy will be processed like a new one.
+            if status is not None:
+                return False
+        await db.execute(
+            update(t)
+            .where(t.c.consumer == letter.consumer, t.c.event_id == letter.event_id)
+            .values(replays=t.c.replays + 1, replayed_at=func.now())
+        )
+        return True
+
+    async def purge_dead_letters(self, db: Executor, f: DeadLetterFilter) -> int:
+        t = self.tables.dead_letters
+        keys = self._dead_letter_query(f).with_only_columns(t.c.consumer, t.c.event_id)
+        result = await db.execute(delete(t).where(tuple_(t.c.consumer, t.c.event_id).in_(keys)))
+        return int(result.rowcount)  # type: ignore[attr-defined]

@@ -1,0 +1,192 @@
+"""`outbox consume` / `outbox dlq` as subprocesses: crashes, SIGKILL, SIGTERM, replay."""
+
+# ruff: noqa: ASYNC221  (short CLI calls; blocking the test loop is harmless here)
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import subprocess
+import uuid
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import pytest
+from sqlalchemy import Engine
+
+from outbox.settings import OutboxSettings
+from tests.support.inbox import (
+    ce_headers,
+    committed_offsets,
+    effect_counts,
+    effects_table,
+    outbox_cli,
+    produce,
+    subprocess_env,
+    wait_for,
+)
+from tests.support.kafka import read_all
+
+pytestmark = pytest.mark.integration
+NewTopic = Callable[..., Awaitable[str]]
+TARGET = "tests.support.inbox_apps:app"
+
+
+def rec(seq: int, **extra: object) -> tuple[bytes, bytes, list[tuple[str, bytes]]]:
+    body = json.dumps({"key": "k", "seq": seq, **extra}).encode()
+    return b"k", body, ce_headers(f"ev-{seq}-{uuid.uuid4().hex[:6]}")
+
+
+async def _wait_exit(proc: subprocess.Popen[bytes], within: float = 60) -> int:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within
+    while proc.poll() is None:
+        if loop.time() > deadline:
+            proc.kill()
+            raise AssertionError("consumer did not exit")
+        await asyncio.sleep(0.05)
+    return proc.returncode
+
+
+async def test_handler_calling_os_exit_is_dead_lettered_after_n_runs(
+    settings: OutboxSettings,
+    engine: Engine,
+    new_topic: NewTopic,
+    kafka_bootstrap: str,
+    tmp_path: Path,
+) -> None:
+    topic = await new_topic()
+    table = effects_table(engine)
+    runs = tmp_path / "runs"
+    group = f"c-{uuid.uuid4().hex[:8]}"
+    env = subprocess_env(
+        settings,
+        INBOX_TEST_CONSUMER=group,
+        INBOX_TEST_TOPIC=topic,
+        INBOX_TEST_EFFECTS=table,
+        INBOX_TEST_RUNS_FILE=str(runs),
+        INBOX_TEST_MAX_ATTEMPTS="3",
+    )
+    await produce(kafka_bootstrap, topic, [rec(1), rec(2, crash=True), rec(3), rec(4)])
+    exits = []
+    for _ in range(6):  # a supervisor restarting the crashed consumer
+        proc = outbox_cli(["consume", TARGET], env)
+        try:
+            await wait_for(
+                lambda proc=proc: proc.poll() is not None or len(effect_counts(engine, table)) == 3,
+                timeout=60,
+                what="crash or completion",
+            )
+        finally:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+            exits.append(await _wait_exit(proc))
+        if len(effect_counts(engine, table)) == 3:
+            break
+    assert exits[-1] == 0, proc.stderr.read().decode() if proc.stderr else ""
+    assert exits[:-1] == [3, 3, 3]
+    assert len(runs.read_text().split()) == 3  # exactly N runs of the crashing handler
+    assert set(effect_counts(engine, table).values()) == {1}
+    [dead] = await read_all(kafka_bootstrap, topic + ".dlq", expect=1)
+    assert dead.headers["dlq_error_class"] == b"ProcessCrashed"
+    assert dead.headers["dlq_attempts"] == b"3"
+    assert json.loads(dead.value)["seq"] == 2
+
+
+async def test_sigkill_between_db_commit_and_offset_commit_applies_once(
+    settings: OutboxSettings,
+    engine: Engine,
+    new_topic: NewTopic,
+    kafka_bootstrap: str,
+    tmp_path: Path,
+) -> None:
+    topic = await new_topic()
+    table = effects_table(engine)
+    marker = tmp_path / "killed"
+    group = f"c-{uuid.uuid4().hex[:8]}"
+    env = subprocess_env(
+        settings,
+        INBOX_TEST_CONSUMER=group,
+        INBOX_TEST_TOPIC=topic,
+        INBOX_TEST_EFFECTS=table,
+        INBOX_TEST_RUNS_FILE=str(marker),
+        INBOX_TEST_MODE="kill_after_commit",
+    )
+    await produce(kafka_bootstrap, topic, [rec(i) for i in range(20)])
+    first = outbox_cli(["consume", TARGET], env)
+    assert await _wait_exit(first) == -signal.SIGKILL
+    applied = len(effect_counts(engine, table))
+    assert applied >= 1  # the database commit happened
+    assert (topic, 0) not in await committed_offsets(kafka_bootstrap, group)  # offsets did not
+
+    second = outbox_cli(["consume", TARGET], env)
+    try:
+
+        async def finished() -> bool:
+            return (await committed_offsets(kafka_bootstrap, group)).get((topic, 0)) == 20
+
+        await wait_for(finished, what="all applied and committed")
+    finally:
+        second.send_signal(signal.SIGTERM)
+        assert await _wait_exit(second) == 0
+    assert set(effect_counts(engine, table).values()) == {1}
+    assert (await committed_offsets(kafka_bootstrap, group))[(topic, 0)] == 20
+    err = second.stderr.read().decode() if second.stderr else ""
+    assert f"'duplicates': {applied}" in err  # the re-read events were skipped by the inbox
+
+
+async def test_dlq_cli_lists_shows_and_replays(
+    settings: OutboxSettings,
+    engine: Engine,
+    new_topic: NewTopic,
+    kafka_bootstrap: str,
+    tmp_path: Path,
+) -> None:
+    topic = await new_topic()
+    table = effects_table(engine)
+    group = f"c-{uuid.uuid4().hex[:8]}"
+    env = subprocess_env(
+        settings,
+        INBOX_TEST_CONSUMER=group,
+        INBOX_TEST_TOPIC=topic,
+        INBOX_TEST_EFFECTS=table,
+    )
+    bad = (b"k", b"{not json", ce_headers("bad-1"))
+    await produce(kafka_bootstrap, topic, [bad])
+    # Nothing is fixed before the replay, so the replayed copy must fail exactly once more.
+    consumer = outbox_cli(["consume", TARGET, "--metrics-port", "0"], env)
+    try:
+        await read_all(kafka_bootstrap, topic + ".dlq", expect=1)
+        listing = subprocess.run(
+            ["outbox", "dlq", "list", "--consumer", group], env=env, capture_output=True, check=True
+        )
+        assert b"bad-1" in listing.stdout, listing.stdout.decode()
+        assert b"JSONDecodeError" in listing.stdout, listing.stdout.decode()
+        shown = subprocess.run(
+            ["outbox", "dlq", "show", "bad-1", "--consumer", group],
+            env=env,
+            capture_output=True,
+            check=True,
+        )
+        assert b"9 bytes" in shown.stdout and b"{not json" not in shown.stdout
+        replay = subprocess.run(
+            ["outbox", "dlq", "replay", "bad-1", "--consumer", group],
+            env=env,
+            capture_output=True,
+        )
+        assert replay.returncode == 0, replay.stderr
+        # The replayed copy goes through the handler again and fails again: a second DLQ
+        # record, and the dead letter shows one replay.
+        await read_all(kafka_bootstrap, topic + ".dlq", expect=2)
+        purge = subprocess.run(
+            ["outbox", "dlq", "purge", "--all", "--consumer", group],
+            env=env,
+            capture_output=True,
+            check=True,
+        )
+        assert b"purged 1" in purge.stderr
+    finally:
+        consumer.send_signal(signal.SIGTERM)
+        assert await _wait_exit(consumer) == 0
+    assert effect_counts(engine, table) == {}

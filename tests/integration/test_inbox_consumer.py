@@ -1,0 +1,389 @@
+"""Inbox consumer against real PostgreSQL and Kafka, running in this process."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import pytest
+from pydantic import BaseModel
+from sqlalchemy import Engine, text
+from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy.orm import Session
+
+import inbox
+from inbox import DeadLetterFilter, DeadLetters, Permanent, Retryable
+from outbox.settings import ConsumerSettings, OutboxSettings, RetrySettings
+from tests.support.inbox import (
+    RunningConsumer,
+    ce_headers,
+    committed_offsets,
+    effect_counts,
+    effects_table,
+    produce,
+    wait_for,
+)
+from tests.support.kafka import read_all
+
+pytestmark = pytest.mark.integration
+NewTopic = Callable[..., Awaitable[str]]
+
+
+class Thing(BaseModel):
+    key: str
+    seq: int
+
+
+def fast_settings(settings: OutboxSettings, **consumer: Any) -> OutboxSettings:
+    return settings.model_copy(
+        update={
+            "retry": RetrySettings(base_seconds=0.01, cap_seconds=0.05),
+            "consumer": ConsumerSettings(**{"max_attempts": 3, **consumer}),
+        }
+    )
+
+
+def record(i: int, event_id: str | None = None, etype: str = "test.event", **extra: Any):
+    eid = event_id or str(uuid.uuid4())
+    body = json.dumps({"key": f"k{i % 7}", "seq": i, **extra}).encode()
+    return (f"k{i % 7}".encode(), body, ce_headers(eid, etype))
+
+
+def name() -> str:
+    return f"c-{uuid.uuid4().hex[:10]}"
+
+
+def recorder(app: inbox.Consumer, table: str, calls: list[str] | None = None, **kw: Any) -> None:
+    @app.handler("test.event", **kw)
+    async def handle(event: Thing, session: AsyncSession) -> None:
+        if calls is not None:
+            calls.append(f"{event.key}:{event.seq}")
+        await session.execute(
+            text(f"INSERT INTO {table} (event_id, key, seq) VALUES (:e, :k, :s)"),
+            {"e": f"{event.key}:{event.seq}", "k": event.key, "s": event.seq},
+        )
+
+
+async def test_same_event_delivered_three_times_has_one_effect(
+    settings: OutboxSettings, engine: Engine, new_topic: NewTopic, kafka_bootstrap: str
+) -> None:
+    topic = await new_topic(partitions=2)
+    table = effects_table(engine)
+    app = inbox.Consumer(name=name(), topics=[topic])
+    recorder(app, table)
+    dup = record(1, event_id=str(uuid.uuid4()))
+    others = [record(i) for i in range(2, 50)]
+    # Twice in one fetch (same partition), once more later on another partition.
+    await produce(kafka_bootstrap, topic, [dup, dup, *others], partition=0)
+    async with RunningConsumer(app, fast_settings(settings)) as c:
+        await wait_for(lambda: c.metrics.counts["processed"] >= 49, what="first pass")
+        await produce(kafka_bootstrap, topic, [dup], partition=1)
+        await wait_for(lambda: c.metrics.counts["duplicates"] >= 2, what="duplicates")
+    counts = effect_counts(engine, table)
+    assert counts["k1:1"] == 1
+    assert len(counts) == 49 and set(counts.values()) == {1}
+    assert c.metrics.counts["duplicates"] == 2
+    offsets = await committed_offsets(kafka_bootstrap, app.name)
+    assert offsets[(topic, 0)] == 50 and offsets[(topic, 1)] == 1
+
+
+async def test_sync_handler_writes_in_the_inbox_transaction(
+    settings: OutboxSettings, engine: Engine, new_topic: NewTopic, kafka_bootstrap: str
+) -> None:
+    topic = await new_topic()
+    table = effects_table(engine)
+    app = inbox.Consumer(name=name(), topics=[topic])
+
+    @app.handler("test.event")
+    def handle(event: Thing, session: Session) -> None:
+        session.execute(
+            text(f"INSERT INTO {table} (event_id, key, seq) VALUES (:e, :k, :s)"),
+            {"e": str(event.seq), "k": event.key, "s": event.seq},
+        )
+        if event.seq == 3:
+            raise Permanent("seq 3 is refused")  # its write must not survive
+
+    await produce(kafka_bootstrap, topic, [record(i) for i in range(1, 6)])
+    async with RunningConsumer(app, fast_settings(settings)) as c:
+        await wait_for(lambda: c.metrics.counts["processed"] >= 4, what="processing")
+        await wait_for(lambda: c.metrics.counts["dead_lettered"] >= 1, what="dead letter")
+    assert effect_counts(engine, table) == {"1": 1, "2": 1, "4": 1, "5": 1}
+    with engine.connect() as conn:
+        statuses = dict(
+            conn.execute(
+                text(
+                    "SELECT status, count(*) FROM outbox_inbox WHERE consumer = :c GROUP BY status"
+                ),
+                {"c": app.name},
+            ).all()
+        )
+    assert statuses == {"processed": 4, "dead_lettered": 1}
+
+
+async def test_always_failing_handler_gets_n_attempts_then_dlq_and_partition_moves_on(
+    settings: OutboxSettings, engine: Engine, new_topic: NewTopic, kafka_bootstrap: str
+) -> None:
+    topic = await new_topic()
+    table = effects_table(engine)
+    app = inbox.Consumer(name=name(), topics=[topic])
+    calls: list[str] = []
+
+    @app.handler("test.event", max_attempts=4)
+    async def handle(event: Thing, session: AsyncSession) -> None:
+        calls.append(f"{event.key}:{event.seq}")
+        if event.seq == 5:
+            raise Retryable("downstream keeps failing")
+        await session.execute(
+            text(f"INSERT INTO {table} (event_id, key, seq) VALUES (:e, :k, :s)"),
+            {"e": str(event.seq), "k": event.key, "s": event.seq},
+        )
+
+    records = [record(i) for i in range(1, 11)]
+    await produce(kafka_bootstrap, topic, records)
+    async with RunningConsumer(app, fast_settings(settings)) as c:
+        await wait_for(lambda: c.metrics.counts["processed"] >= 9, what="processing")
+    assert calls.count("k5:5") == 4
+    assert c.metrics.counts["dead_lettered"] == 1
+    assert c.metrics.counts["retries"] == 3
+    # Order kept: every event before 5 ran before 5's first attempt, every later one after.
+    first5, last5 = calls.index("k5:5"), len(calls) - 1 - calls[::-1].index("k5:5")
+    assert all(calls.index(f"k{i % 7}:{i}") > last5 for i in range(6, 11))
+    assert all(calls.index(f"k{i % 7}:{i}") < first5 for i in range(1, 5))
+    assert sorted(map(int, effect_counts(engine, table))) == [1, 2, 3, 4, 6, 7, 8, 9, 10]
+    dlq = await read_all(kafka_bootstrap, topic + ".dlq", expect=1)
+    assert len(dlq) == 1
+    h = dlq[0].headers
+    assert dlq[0].value == records[4][1] and dlq[0].key == records[4][0]
+    assert h["ce_id"] == records[4][2][0][1]
+    assert h["dlq_error_class"] == b"Retryable"
+    assert h["dlq_attempts"] == b"4"
+    assert h["dlq_consumer"] == app.name.encode()
+    assert h["dlq_original_topic"] == topic.encode()
+    assert (h["dlq_original_partition"], h["dlq_original_offset"]) == (b"0", b"4")
+
+
+async def test_invalid_payload_is_dead_lettered_at_once_without_echoing_it(
+    settings: OutboxSettings, engine: Engine, new_topic: NewTopic, kafka_bootstrap: str
+) -> None:
+    topic = await new_topic()
+    table = effects_table(engine)
+    app = inbox.Consumer(name=name(), topics=[topic])
+    calls: list[str] = []
+    recorder(app, table, calls)
+    secret = "card-4242424242424242"
+    bad_model = (
+        b"k",
+        json.dumps({"key": secret, "seq": "not-a-number"}).encode(),
+        ce_headers(str(uuid.uuid4())),
+    )
+    bad_json = (b"k", b"{not json", ce_headers(str(uuid.uuid4())))
+    no_id = (b"k", b"{}", [("ce_type", b"test.event")])
+    unknown = (b"k", b"{}", ce_headers(str(uuid.uuid4()), "nobody.handles.this"))
+    await produce(kafka_bootstrap, topic, [bad_model, bad_json, no_id, unknown, record(1)])
+    async with RunningConsumer(app, fast_settings(settings)) as c:
+        await wait_for(lambda: c.metrics.counts["dead_lettered"] >= 4, what="dead letters")
+        await wait_for(lambda: c.metrics.counts["processed"] >= 1, what="good event")
+    assert calls == ["k1:1"]  # the handler never ran for the bad ones
+    assert c.metrics.counts["retries"] == 0
+    dlq = await read_all(kafka_bootstrap, topic + ".dlq", expect=4)
+    classes = [r.headers["dlq_error_class"] for r in dlq]
+    assert classes == [
+        b"ValidationError",
+        b"ValidationError",
+        b"MalformedRecord",
+        b"UnknownEventType",
+    ]
+    assert [r.headers["dlq_attempts"] for r in dlq] == [b"1", b"1", b"0", b"0"]
+    for r in dlq:
+        assert secret.encode() not in r.headers["dlq_error_message"]
+    assert b"seq" in dlq[0].headers["dlq_error_message"]
+    letters = DeadLetters(settings)
+    try:
+        rows = await letters.list(DeadLetterFilter(consumer=app.name))
+    finally:
+        await letters.close()
+    assert len(rows) == 4
+    # A record without ce_id is known by its position.
+    assert f"{topic}:0:2" in {r.event_id for r in rows}
+
+
+async def test_unknown_types_can_be_skipped_by_policy(
+    settings: OutboxSettings, engine: Engine, new_topic: NewTopic, kafka_bootstrap: str
+) -> None:
+    topic = await new_topic()
+    table = effects_table(engine)
+    app = inbox.Consumer(name=name(), topics=[topic])
+    recorder(app, table)
+    unknown = (b"k", b"{}", ce_headers(str(uuid.uuid4()), "other.type"))
+    await produce(kafka_bootstrap, topic, [unknown, record(1), unknown, record(2)])
+    s = fast_settings(settings, unknown_type_policy="skip")
+    async with RunningConsumer(app, s) as c:
+        await wait_for(lambda: c.metrics.counts["processed"] >= 2, what="processing")
+    assert c.metrics.counts["skipped"] == 2 and c.metrics.counts["dead_lettered"] == 0
+    assert len(effect_counts(engine, table)) == 2
+
+
+async def test_two_consumers_in_one_group_racing_on_a_duplicate_apply_it_once(
+    settings: OutboxSettings, engine: Engine, new_topic: NewTopic, kafka_bootstrap: str
+) -> None:
+    import asyncio
+
+    topic = await new_topic(partitions=2)
+    table = effects_table(engine)
+    app = inbox.Consumer(name=name(), topics=[topic])
+    started: list[str] = []
+
+    @app.handler("test.event")
+    async def slow(event: Thing, session: AsyncSession) -> None:
+        started.append(event.key)
+        await session.execute(
+            text(f"INSERT INTO {table} (event_id, key, seq) VALUES (:e, :k, :s)"),
+            {"e": str(event.seq), "k": event.key, "s": event.seq},
+        )
+        await asyncio.sleep(0.5)  # both members are inside their transactions at once
+
+    s = fast_settings(settings)
+    async with RunningConsumer(app, s) as a, RunningConsumer(app, s) as b:
+        await wait_for(lambda: a.assigned() and b.assigned(), what="both members assigned")
+        dup = record(1, event_id=str(uuid.uuid4()))
+        await asyncio.gather(
+            produce(kafka_bootstrap, topic, [dup], partition=0),
+            produce(kafka_bootstrap, topic, [dup], partition=1),
+        )
+        total = lambda k: a.metrics.counts[k] + b.metrics.counts[k]  # noqa: E731
+        await wait_for(lambda: total("processed") + total("duplicates") >= 2, what="both")
+    assert effect_counts(engine, table) == {"1": 1}
+    assert total("processed") == 1 and total("duplicates") == 1
+
+
+async def test_replay_from_dlq_runs_the_handler_once_more(
+    settings: OutboxSettings, engine: Engine, new_topic: NewTopic, kafka_bootstrap: str
+) -> None:
+    topic = await new_topic()
+    table = effects_table(engine)
+    app = inbox.Consumer(name=name(), topics=[topic])
+    broken = {"yes": True}
+    calls: list[str] = []
+
+    @app.handler("test.event")
+    async def handle(event: Thing, session: AsyncSession) -> None:
+        calls.append(str(event.seq))
+        if broken["yes"]:
+            raise Permanent("bug, fixed later")
+        await session.execute(
+            text(f"INSERT INTO {table} (event_id, key, seq) VALUES (:e, :k, :s)"),
+            {"e": str(event.seq), "k": event.key, "s": event.seq},
+        )
+
+    eid = str(uuid.uuid4())
+    await produce(kafka_bootstrap, topic, [record(7, event_id=eid)])
+    letters = DeadLetters(settings)
+    try:
+        async with RunningConsumer(app, fast_settings(settings)) as c:
+            await wait_for(lambda: c.metrics.counts["dead_lettered"] == 1, what="dead letter")
+            broken["yes"] = False  # the bug is fixed
+            report = await letters.replay(DeadLetterFilter(consumer=app.name, event_id=eid))
+            assert len(report.replayed) == 1
+            await wait_for(lambda: c.metrics.counts["processed"] == 1, what="replayed")
+            # A second replay is refused, and another copy of the event is a duplicate.
+            again = await letters.replay(DeadLetterFilter(consumer=app.name, event_id=eid))
+            assert len(again.refused) == 1 and not again.replayed
+            await produce(kafka_bootstrap, topic, [record(7, event_id=eid)])
+            await wait_for(lambda: c.metrics.counts["duplicates"] == 1, what="duplicate")
+        [letter] = await letters.list(DeadLetterFilter(consumer=app.name))
+        assert letter.inbox_status == "processed" and letter.replays == 1
+        assert await letters.purge(DeadLetterFilter(consumer=app.name)) == 1
+    finally:
+        await letters.close()
+    assert effect_counts(engine, table) == {"7": 1}
+    assert calls == ["7", "7"]
+
+
+async def test_serialization_failure_is_retried_not_dead_lettered(
+    settings: OutboxSettings, engine: Engine, new_topic: NewTopic, kafka_bootstrap: str
+) -> None:
+    import psycopg.errors
+    from sqlalchemy.exc import OperationalError
+
+    topic = await new_topic()
+    table = effects_table(engine)
+    app = inbox.Consumer(name=name(), topics=[topic])
+    failures = {"left": 2}
+
+    @app.handler("test.event")
+    async def handle(event: Thing, session: AsyncSession) -> None:
+        if failures["left"]:
+            failures["left"] -= 1
+            raise OperationalError("UPDATE", {}, psycopg.errors.SerializationFailure("conflict"))
+        await session.execute(
+            text(f"INSERT INTO {table} (event_id, key, seq) VALUES (:e, :k, :s)"),
+            {"e": str(event.seq), "k": event.key, "s": event.seq},
+        )
+
+    await produce(kafka_bootstrap, topic, [record(1)])
+    async with RunningConsumer(app, fast_settings(settings)) as c:
+        await wait_for(lambda: c.metrics.counts["processed"] == 1, what="processed")
+    assert c.metrics.counts["retries"] == 2 and c.metrics.counts["dead_lettered"] == 0
+    assert effect_counts(engine, table) == {"1": 1}
+
+
+async def test_one_transaction_per_event_mode(
+    settings: OutboxSettings, engine: Engine, new_topic: NewTopic, kafka_bootstrap: str
+) -> None:
+    topic = await new_topic(partitions=3)
+    table = effects_table(engine)
+    app = inbox.Consumer(name=name(), topics=[topic])
+    recorder(app, table)
+    await produce(kafka_bootstrap, topic, [record(i) for i in range(300)])
+    async with RunningConsumer(app, fast_settings(settings, transaction_per="event")) as c:
+        await wait_for(lambda: c.metrics.counts["processed"] >= 300, what="processing")
+    assert len(effect_counts(engine, table)) == 300
+
+
+def test_auto_commit_is_refused() -> None:
+    with pytest.raises(inbox.HandlerConfigurationError, match="auto_commit"):
+        inbox.Consumer(name="x", topics=["t"], kafka_options={"enable_auto_commit": True})
+
+
+async def test_missing_source_topic_fails_clearly(settings: OutboxSettings) -> None:
+    from outbox.errors import TopicMissing
+
+    app = inbox.Consumer(name=name(), topics=[f"missing-{uuid.uuid4().hex[:8]}"])
+    with pytest.raises(TopicMissing, match="does not exist"):
+        async with RunningConsumer(app, settings):
+            pass
+
+
+def test_retention_deletes_old_inbox_rows_in_bounded_batches(
+    settings: OutboxSettings, engine: Engine
+) -> None:
+    consumer = name()
+    with engine.begin() as conn:
+        conn.execute(
+            text(
+                'INSERT INTO outbox_inbox (consumer, event_id, topic, partition, "offset", '
+                "status, processed_at) SELECT :c, 'old-' || g, 't', 0, g, 'processed', "
+                "now() - interval '8 days' FROM generate_series(1, 25) g"
+            ),
+            {"c": consumer},
+        )
+        conn.execute(
+            text(
+                'INSERT INTO outbox_inbox (consumer, event_id, topic, partition, "offset", '
+                "status, processed_at) VALUES (:c, 'fresh', 't', 0, 99, 'processed', now())"
+            ),
+            {"c": consumer},
+        )
+    deleted = inbox.delete_expired_inbox_rows(settings, engine, batch_size=10)
+    assert deleted >= 25
+    with engine.connect() as conn:
+        left = (
+            conn.execute(
+                text("SELECT event_id FROM outbox_inbox WHERE consumer = :c"), {"c": consumer}
+            )
+            .scalars()
+            .all()
+        )
+    assert left == ["fresh"]

@@ -1,0 +1,60 @@
+"""Consumer apps run by tests as `outbox consume tests.support.inbox_apps:app`.
+
+Configured by INBOX_TEST_* environment variables (a test module may read them; the
+library never does).
+"""
+
+# ruff: noqa: ASYNC230, ASYNC240  (tiny marker files written right before the process dies)
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncSession
+
+import inbox
+from inbox import runner
+
+NAME = os.environ.get("INBOX_TEST_CONSUMER", "unconfigured")
+TOPIC = os.environ.get("INBOX_TEST_TOPIC", "unconfigured")
+EFFECTS = os.environ.get("INBOX_TEST_EFFECTS", "unconfigured")
+MODE = os.environ.get("INBOX_TEST_MODE", "normal")
+RUNS_FILE = os.environ.get("INBOX_TEST_RUNS_FILE")
+MAX_ATTEMPTS = int(os.environ.get("INBOX_TEST_MAX_ATTEMPTS", "3"))
+
+app = inbox.Consumer(name=NAME, topics=[TOPIC])
+
+
+@app.handler("test.event", max_attempts=MAX_ATTEMPTS)
+async def record(event: inbox.InboxEvent, session: AsyncSession) -> None:
+    body = json.loads(event.value or b"{}")
+    if body.get("crash"):
+        if RUNS_FILE:
+            with open(RUNS_FILE, "a") as f:
+                f.write(event.event_id + "\n")
+        os._exit(3)  # the process dies inside the handler: no exception to catch
+    await session.execute(
+        text(f"INSERT INTO {EFFECTS} (event_id, key, seq) VALUES (:e, :k, :s)"),
+        {"e": event.event_id, "k": body.get("key"), "s": body.get("seq")},
+    )
+
+
+if MODE == "kill_after_commit" and RUNS_FILE:
+    # SIGKILL the process right after the first database commit, before its offsets are
+    # committed to Kafka: the restarted consumer re-reads what was already applied.
+    _commit = runner.ConsumerDaemon._commit
+    _marker = Path(RUNS_FILE)
+
+    async def _kill_before_offset_commit(
+        self: runner.ConsumerDaemon, tp: object, offset: int
+    ) -> None:
+        if not _marker.exists():
+            _marker.write_text(str(offset))
+            os.kill(os.getpid(), signal.SIGKILL)
+        await _commit(self, tp, offset)  # type: ignore[arg-type]
+
+    runner.ConsumerDaemon._commit = _kill_before_offset_commit  # type: ignore[method-assign]

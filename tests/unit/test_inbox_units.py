@@ -1,0 +1,98 @@
+"""Pure parts of the inbox: record decoding, failure classification, handler registry."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import psycopg.errors
+import pytest
+from pydantic import BaseModel, ValidationError
+from sqlalchemy.exc import IntegrityError, OperationalError
+
+import inbox
+from inbox.event import decode
+from inbox.failures import classify, crashed
+from outbox.errors import InvalidIdentifier
+
+
+@dataclass
+class Rec:
+    topic: str = "t"
+    partition: int = 2
+    offset: int = 7
+    key: bytes | None = b"k"
+    value: bytes | None = b"{}"
+    headers: tuple[tuple[str, bytes], ...] = ()
+
+
+class Thing(BaseModel):
+    n: int
+
+
+def test_decode_reads_cloudevents_headers() -> None:
+    e = decode(Rec(headers=(("ce_id", b"abc"), ("ce_type", b"x.y"), ("ce_source", b"s"))))
+    assert (e.event_id, e.event_type, e.source, e.malformed) == ("abc", "x.y", "s", None)
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [(), (("ce_type", b"x"),), (("ce_id", b"\xff\xfe"), ("ce_type", b"x")), (("ce_id", b"a"),)],
+)
+def test_records_without_usable_id_or_type_are_malformed_with_a_position_id(
+    headers: tuple[tuple[str, bytes], ...],
+) -> None:
+    e = decode(Rec(headers=headers))
+    assert e.malformed is not None
+    assert e.event_id == "t:2:7"
+
+
+def test_validation_errors_are_permanent_and_never_echo_input() -> None:
+    with pytest.raises(ValidationError) as info:
+        Thing.model_validate_json(b'{"n": "secret-value"}')
+    f = classify(info.value, 500)
+    assert not f.retryable and "secret-value" not in f.message and "n:" in f.message
+
+
+def test_database_conflicts_are_retryable_integrity_errors_follow_the_default() -> None:
+    for orig in (psycopg.errors.SerializationFailure(), psycopg.errors.DeadlockDetected()):
+        assert classify(OperationalError("s", {}, orig), 100).retryable
+    assert classify(inbox.Retryable("x"), 100).retryable
+    assert not classify(inbox.Permanent("x"), 100).retryable
+    assert not classify(ValueError("x"), 100).retryable
+    assert classify(IntegrityError("s", {}, Exception()), 100).retryable is True
+
+
+def test_messages_are_cut() -> None:
+    f = classify(RuntimeError("x" * 1000), 50)
+    assert len(f.message) == 50 and f.message.endswith("…")
+    assert crashed(3, None, 500).error_class == "ProcessCrashed"
+
+
+def test_handler_model_comes_from_the_annotation() -> None:
+    app = inbox.Consumer(name="c", topics=["t"])
+
+    @app.handler("a")
+    async def typed(event: Thing, session: object) -> None: ...
+
+    @app.handler("b", max_attempts=2)
+    def raw(event: inbox.InboxEvent, session: object) -> None: ...
+
+    assert app.handlers["a"].model is Thing and app.handlers["a"].is_async
+    assert app.handlers["b"].model is None and not app.handlers["b"].is_async
+    assert app.handlers["b"].max_attempts == 2
+
+
+def test_bad_declarations_are_refused() -> None:
+    app = inbox.Consumer(name="c", topics=["t"])
+
+    @app.handler("a")
+    async def one(event: Thing, session: object) -> None: ...
+
+    with pytest.raises(inbox.HandlerConfigurationError, match="already has"):
+        app.handler("a")(one)
+    with pytest.raises(inbox.HandlerConfigurationError, match="session"):
+        app.handler("z")(lambda event: None)
+    with pytest.raises(inbox.HandlerConfigurationError, match="group_id"):
+        inbox.Consumer(name="c", topics=["t"], kafka_options={"group_id": "x"})
+    with pytest.raises(InvalidIdentifier):
+        inbox.Consumer(name="bad name", topics=["t"])
