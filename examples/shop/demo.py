@@ -19,6 +19,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -73,11 +74,13 @@ def daemon(name: str, *args: str) -> Iterator[subprocess.Popen[bytes]]:
                 proc.kill()
                 proc.wait()
         log.close()
-        verdict = "[green]clean exit[/]" if proc.returncode == 0 else f"[red]exit {proc.returncode}[/]"
+        verdict = (
+            "[green]clean exit[/]" if proc.returncode == 0 else f"[red]exit {proc.returncode}[/]"
+        )
         console.print(f"{name}: {verdict} (log: .services/demo-{name}.log)")
 
 
-def snapshot(engine: Engine, outbox: Outbox, baseline: int) -> dict[str, float]:
+def snapshot(engine: Engine, outbox: Outbox, run_prefix: str) -> dict[str, float]:
     events = outbox.tables.events
     with engine.connect() as conn:
         pending, oldest = conn.execute(
@@ -89,9 +92,9 @@ def snapshot(engine: Engine, outbox: Outbox, baseline: int) -> dict[str, float]:
         applied, duplicates = conn.execute(
             text(
                 "SELECT count(*), count(*) - count(DISTINCT (order_id, seq)) "
-                f"FROM {shipping_log.name} WHERE applied_id > :b"
+                f"FROM {shipping_log.name} WHERE order_id LIKE :run"
             ),
-            {"b": baseline},
+            {"run": f"{run_prefix}%"},
         ).one()
     return {
         "pending": pending,
@@ -101,17 +104,17 @@ def snapshot(engine: Engine, outbox: Outbox, baseline: int) -> dict[str, float]:
     }
 
 
-def out_of_order_pairs(engine: Engine, baseline: int) -> int:
+def out_of_order_pairs(engine: Engine, run_prefix: str) -> int:
     """Pairs of consecutive effects of one order whose seq did not increase."""
     with engine.connect() as conn:
         return int(
             conn.execute(
                 text(
                     "SELECT count(*) FROM (SELECT seq, lag(seq) OVER (PARTITION BY order_id "
-                    f"ORDER BY applied_id) AS prev FROM {shipping_log.name} WHERE applied_id > :b) s "
+                    f"ORDER BY applied_id) AS prev FROM {shipping_log.name} WHERE order_id LIKE :run) s "
                     "WHERE prev IS NOT NULL AND seq <= prev"
                 ),
-                {"b": baseline},
+                {"run": f"{run_prefix}%"},
             ).scalar_one()
         )
 
@@ -138,24 +141,30 @@ def produce_step(engine: Engine, service: OrderService, order: tuple[str, str, i
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
     parser.add_argument("--orders", type=int, default=1000, help="orders to run through their life")
     parser.add_argument("--rate", type=float, default=600, help="events per second to produce")
     parser.add_argument("--relays", type=int, default=2, help="relay processes to run")
-    parser.add_argument("--timeout", type=float, default=120, help="seconds to wait for the consumer")
+    parser.add_argument(
+        "--timeout", type=float, default=120, help="seconds to wait for the consumer"
+    )
     args = parser.parse_args()
 
     settings = load_settings()
-    console.print(f"database {settings.safe_database_url}, kafka {settings.kafka_bootstrap_servers}")
+    console.print(
+        f"database {settings.safe_database_url}, kafka {settings.kafka_bootstrap_servers}"
+    )
     migrate.upgrade(settings)
     engine = sync_engine(settings, pool_size=4)
     service_metadata.create_all(engine)
     consumer_metadata.create_all(engine)
     asyncio.run(ensure_topics(settings, partitions=6))
-    service = OrderService(Outbox(settings))
-    # Effects of earlier runs stay in the table; this run counts only rows after them.
-    with engine.connect() as conn:
-        baseline = conn.execute(select(func.coalesce(func.max(shipping_log.c.applied_id), 0))).scalar_one()
+    # Earlier runs' effects (and their late events) stay around; this run counts only the
+    # orders it created, recognised by a per-run prefix of their ids.
+    run_prefix = f"ord-{uuid.uuid4().hex[:6]}-"
+    service = OrderService(Outbox(settings), order_prefix=run_prefix)
     expected = args.orders * 3
     (ROOT / ".services").mkdir(exist_ok=True)
 
@@ -169,7 +178,9 @@ def main() -> int:
         with Live(console=console, refresh_per_second=4) as live:
             while produced < expected:
                 # Interleave new orders with later steps of open ones, so keys interleave.
-                if live_orders and (len(live_orders) > 50 or produced // 3 >= args.orders or random.random() < 0.6):
+                if live_orders and (
+                    len(live_orders) > 50 or produced // 3 >= args.orders or random.random() < 0.6
+                ):
                     i = random.randrange(len(live_orders))
                     order_id, customer, step = live_orders[i]
                     produce_step(engine, service, live_orders[i])
@@ -187,15 +198,23 @@ def main() -> int:
                 if ahead > 0:
                     time.sleep(ahead)
                 if produced % 50 == 0:
-                    live.update(render(snapshot(engine, service.outbox, baseline), produced, expected, time.monotonic() - started))
+                    live.update(
+                        render(
+                            snapshot(engine, service.outbox, run_prefix),
+                            produced,
+                            expected,
+                            time.monotonic() - started,
+                        )
+                    )
             deadline = time.monotonic() + args.timeout
-            stats = snapshot(engine, service.outbox, baseline)
+            stats = snapshot(engine, service.outbox, run_prefix)
             while stats["applied"] - stats["duplicates"] < expected and time.monotonic() < deadline:
                 time.sleep(0.25)
-                stats = snapshot(engine, service.outbox, baseline)
+                stats = snapshot(engine, service.outbox, run_prefix)
                 live.update(render(stats, produced, expected, time.monotonic() - started))
+        console.print()
 
-    disorder = out_of_order_pairs(engine, baseline)
+    disorder = out_of_order_pairs(engine, run_prefix)
     lost = expected - int(stats["applied"] - stats["duplicates"])
     engine.dispose()
     console.print(
@@ -203,7 +222,9 @@ def main() -> int:
         f"lost {lost}, duplicate effects {int(stats['duplicates'])}, out-of-order pairs {disorder}"
     )
     ok = lost == 0 and stats["duplicates"] == 0 and disorder == 0
-    console.print("[bold green]all events applied exactly once, in order[/]" if ok else "[bold red]FAILED[/]")
+    console.print(
+        "[bold green]all events applied exactly once, in order[/]" if ok else "[bold red]FAILED[/]"
+    )
     return 0 if ok else 1
 
 

@@ -24,11 +24,12 @@ orders = Table(
 
 
 class OrderService:
-    def __init__(self, outbox: Outbox) -> None:
+    def __init__(self, outbox: Outbox, order_prefix: str = "ord-") -> None:
         self.outbox = outbox
+        self.order_prefix = order_prefix
 
     def place(self, session: Session, customer_id: str) -> str:
-        order_id = f"ord-{uuid.uuid4().hex[:12]}"
+        order_id = f"{self.order_prefix}{uuid.uuid4().hex[:12]}"
         total = random.randint(500, 50_000)
         session.execute(
             orders.insert().values(
