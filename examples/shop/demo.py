@@ -21,7 +21,7 @@ import sys
 import time
 import uuid
 from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, suppress
 from pathlib import Path
 
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
@@ -32,8 +32,8 @@ from rich.table import Table
 from sqlalchemy import Engine, func, select, text
 from sqlalchemy.orm import Session
 
-from examples.shop.consumer import CONSUMER_NAME, shipping_log
 from examples.shop.consumer import metadata as consumer_metadata
+from examples.shop.consumer import shipping_log
 from examples.shop.events import TOPIC
 from examples.shop.service import OrderService
 from examples.shop.service import metadata as service_metadata
@@ -49,10 +49,8 @@ async def ensure_topics(settings: OutboxSettings, partitions: int) -> None:
     await admin.start()
     try:
         for name in (TOPIC, f"{TOPIC}{settings.consumer.dlq_suffix}"):
-            try:
+            with suppress(TopicAlreadyExistsError):
                 await admin.create_topics([NewTopic(name, partitions, 1)])
-            except TopicAlreadyExistsError:
-                pass
     finally:
         await admin.close()
 
@@ -110,8 +108,9 @@ def out_of_order_pairs(engine: Engine, run_prefix: str) -> int:
         return int(
             conn.execute(
                 text(
-                    "SELECT count(*) FROM (SELECT seq, lag(seq) OVER (PARTITION BY order_id "
-                    f"ORDER BY applied_id) AS prev FROM {shipping_log.name} WHERE order_id LIKE :run) s "
+                    "SELECT count(*) FROM (SELECT seq, lag(seq) OVER "
+                    "(PARTITION BY order_id ORDER BY applied_id) AS prev "
+                    f"FROM {shipping_log.name} WHERE order_id LIKE :run) s "
                     "WHERE prev IS NOT NULL AND seq <= prev"
                 ),
                 {"run": f"{run_prefix}%"},
@@ -218,7 +217,8 @@ def main() -> int:
     lost = expected - int(stats["applied"] - stats["duplicates"])
     engine.dispose()
     console.print(
-        f"produced {expected:,} events for {args.orders:,} orders; applied {int(stats['applied']):,}; "
+        f"produced {expected:,} events for {args.orders:,} orders; "
+        f"applied {int(stats['applied']):,}; "
         f"lost {lost}, duplicate effects {int(stats['duplicates'])}, out-of-order pairs {disorder}"
     )
     ok = lost == 0 and stats["duplicates"] == 0 and disorder == 0
