@@ -1,0 +1,93 @@
+"""``outbox relay`` (the daemon) and ``outbox failed list|retry|purge`` (operator tools)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import typer
+from rich.table import Table
+
+import relay
+from cli.context import console, out, run, settings_of
+
+app = typer.Typer()  # merged into the root: `outbox relay` and `outbox failed ...`
+failed_app = typer.Typer(help="Rows Kafka rejected permanently.", no_args_is_help=True)
+app.add_typer(failed_app, name="failed")
+
+
+@app.command("relay")
+def relay_command(
+    ctx: typer.Context,
+    metrics_port: int | None = typer.Option(
+        None, "--metrics-port", help="Serve Prometheus /metrics and /healthz on this port."
+    ),
+) -> None:
+    """Publish outbox rows to Kafka until SIGTERM/SIGINT (then exit 0)."""
+    settings = settings_of(ctx)
+    daemon = relay.Relay(settings, metrics_port=metrics_port)
+    run(lambda: asyncio.run(daemon.serve()))
+
+
+def _ids(ids: list[int], all_: bool, verb: str) -> list[int] | None:
+    if all_ == bool(ids):
+        console.print(f"[red]give the ids to {verb}, or --all[/]")
+        raise typer.Exit(2)
+    return None if all_ else ids
+
+
+@failed_app.command("list")
+def list_command(
+    ctx: typer.Context,
+    topic: str | None = typer.Option(None, "--topic", help="Only rows of this topic."),
+    limit: int = typer.Option(100, "--limit", min=1),
+) -> None:
+    """Show failed rows (oldest first) and their last error."""
+    settings = settings_of(ctx)
+    rows, total = run(lambda: relay.list_failed(settings, topic=topic, limit=limit))
+    table = Table("id", "event_id", "topic", "type", "attempts", "bytes", "failed_at", "last_error")
+    for r in rows:
+        table.add_row(
+            str(r.id),
+            r.event_id,
+            r.topic,
+            r.event_type,
+            str(r.attempts),
+            str(r.payload_bytes),
+            r.failed_at.isoformat(timespec="seconds"),
+            r.last_error or "",
+        )
+    out.print(table)
+    out.print(f"{total} failed row(s)", highlight=False)
+
+
+@failed_app.command("retry")
+def retry_command(
+    ctx: typer.Context,
+    ids: list[int] = typer.Argument(None, help="Row ids (from `outbox failed list`)."),
+    all_: bool = typer.Option(False, "--all", help="Retry every failed row."),
+) -> None:
+    """Move failed rows back into the outbox with attempts reset."""
+    settings = settings_of(ctx)
+    chosen = _ids(ids or [], all_, "retry")
+    moved = run(lambda: relay.retry_failed(settings, chosen))
+    out.print(f"requeued {len(moved)} row(s)", highlight=False)
+
+
+@failed_app.command("purge")
+def purge_command(
+    ctx: typer.Context,
+    ids: list[int] = typer.Argument(None, help="Row ids (from `outbox failed list`)."),
+    all_: bool = typer.Option(False, "--all", help="Delete every failed row."),
+    older_than_hours: float | None = typer.Option(
+        None, "--older-than-hours", help="Only rows that failed longer ago than this."
+    ),
+) -> None:
+    """Delete failed rows for good."""
+    settings = settings_of(ctx)
+    chosen = (
+        None
+        if older_than_hours is not None and not ids and not all_
+        else _ids(ids or [], all_, "purge")
+    )
+    deleted = run(lambda: relay.purge_failed(settings, chosen, older_than_hours))
+    out.print(f"purged {len(deleted)} row(s)", highlight=False)

@@ -1,0 +1,76 @@
+"""Operator functions over the failed table: list, retry (back into the outbox), purge.
+
+Retried rows keep their original id, so they re-enter their lane where they were; they
+cannot restore the order relative to later events of the same key that were published
+while they were parked (that order was given up when Kafka rejected them).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import psycopg
+
+from outbox.errors import DatabaseUnavailable, SchemaMissing
+from outbox.settings import OutboxSettings
+from relay.store import RelayStore
+
+
+@dataclass(frozen=True)
+class FailedRow:
+    id: int
+    event_id: str
+    topic: str
+    event_type: str
+    attempts: int
+    last_error: str | None
+    failed_at: dt.datetime
+    payload_bytes: int
+
+
+@contextmanager
+def _connection(settings: OutboxSettings) -> Iterator[psycopg.Connection[tuple[object, ...]]]:
+    try:
+        conn = psycopg.connect(settings.libpq_dsn, application_name="outbox-failed")
+    except psycopg.Error as exc:
+        raise DatabaseUnavailable(f"database unavailable: {type(exc).__name__}") from None
+    try:
+        with conn, conn.transaction():
+            yield conn
+    except psycopg.errors.UndefinedTable as exc:
+        raise SchemaMissing(f"relay table missing ({exc.diag.message_primary})") from None
+
+
+def list_failed(
+    settings: OutboxSettings, *, topic: str | None = None, limit: int = 100
+) -> tuple[list[FailedRow], int]:
+    """Up to ``limit`` failed rows (oldest id first) and the total count."""
+    store = RelayStore(settings)
+    with _connection(settings) as conn:
+        rows = conn.execute(store.failed_list, {"topic": topic, "limit": limit}).fetchall()
+        total = conn.execute(store.failed_count).fetchone()
+    return [FailedRow(*r) for r in rows], int(total[0]) if total else 0  # type: ignore[arg-type,call-overload]
+
+
+def retry_failed(settings: OutboxSettings, ids: Sequence[int] | None) -> list[int]:
+    """Move failed rows (``None`` = all) back to the outbox with attempts reset."""
+    store = RelayStore(settings)
+    with _connection(settings) as conn:
+        rows = conn.execute(store.failed_retry, {"ids": list(ids) if ids is not None else None})
+        return sorted(int(r[0]) for r in rows.fetchall())  # type: ignore[call-overload]
+
+
+def purge_failed(
+    settings: OutboxSettings, ids: Sequence[int] | None, older_than_hours: float | None = None
+) -> list[int]:
+    """Delete failed rows by id, or older than ``older_than_hours``, or all (both None)."""
+    store = RelayStore(settings)
+    with _connection(settings) as conn:
+        rows = conn.execute(
+            store.failed_purge,
+            {"ids": list(ids) if ids is not None else None, "hours": older_than_hours},
+        )
+        return sorted(int(r[0]) for r in rows.fetchall())  # type: ignore[call-overload]

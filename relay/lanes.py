@@ -1,0 +1,205 @@
+"""Lane ownership: exactly one live relay publishes a lane at a time.
+
+Each relay keeps one dedicated, long-lived connection (autocommit) holding:
+
+* a *membership* lock ``(members_ns, backend pid)`` — the set of live relays is read from
+  ``pg_locks``, so a relay that dies drops out the moment PostgreSQL closes its session,
+  with no heartbeat timeout to wait for;
+* one session lock ``(lanes_ns, lane)`` per owned lane. PostgreSQL releases them when the
+  connection dies, so a crashed relay's lanes are free for the others at once.
+
+Every ``heartbeat_seconds`` the manager rebalances: target share = ceil(lanes / live
+relays); a relay above its share releases extras, one below tries free lanes (those no one
+holds first, in random order so that concurrent relays do not all race for the same lane).
+Takeover of a dead relay's lanes therefore takes at most one heartbeat period.
+
+The ``relays`` table is a registry for humans and metrics (who runs where, which lanes);
+it is never used to decide ownership.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import os
+import random
+import socket
+import uuid
+from dataclasses import dataclass
+
+import psycopg
+
+from outbox.errors import DatabaseUnavailable, SchemaMissing
+from outbox.retry import RetryPolicy
+from outbox.settings import OutboxSettings
+from relay.metrics import RelayMetrics
+from relay.store import RelayStore
+from relay.waiting import sleep_unless
+
+log = logging.getLogger("relay.lanes")
+
+
+@dataclass(frozen=True)
+class Plan:
+    share: int
+    release: list[int]  # owned lanes to give up
+    candidates: list[int]  # lanes to try, in order, when below the share
+    want: int  # how many of them to win
+
+
+def rebalance(
+    owned: frozenset[int],
+    held_any: set[int],
+    live: int,
+    lanes: int,
+    rng: random.Random | None = None,
+) -> Plan:
+    """What one relay should do this heartbeat (pure; see the module docstring)."""
+    rng = rng or random.Random()
+    share = math.ceil(lanes / max(live, 1))
+    if len(owned) > share:
+        return Plan(share, rng.sample(sorted(owned), len(owned) - share), [], 0)
+    if len(owned) == share:
+        return Plan(share, [], [], 0)
+    free = [lane for lane in range(lanes) if lane not in held_any]
+    taken = [lane for lane in range(lanes) if lane in held_any and lane not in owned]
+    rng.shuffle(free)
+    rng.shuffle(taken)
+    # Free lanes first; held ones are tried too because pg_locks may lag a release.
+    return Plan(share, [], free + taken, share - len(owned))
+
+
+class LaneManager:
+    def __init__(self, settings: OutboxSettings, store: RelayStore, metrics: RelayMetrics) -> None:
+        self._settings = settings
+        self._store = store
+        self._metrics = metrics
+        self.relay_id = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+        self._conn: psycopg.AsyncConnection[tuple[object, ...]] | None = None
+        self._owned: frozenset[int] = frozenset()
+        self._changed = asyncio.Event()
+        self._retry = RetryPolicy.from_settings(settings.retry)
+
+    @property
+    def owned(self) -> frozenset[int]:
+        """Lanes this relay holds right now (empty while its lock connection is down)."""
+        return self._owned
+
+    @property
+    def connected(self) -> bool:
+        return self._conn is not None and not self._conn.closed
+
+    async def wait_changed(self, seconds: float) -> None:
+        """Sleep until ownership changes or ``seconds`` pass."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._changed.wait(), seconds)
+
+    def _set_owned(self, lanes: frozenset[int]) -> None:
+        if lanes != self._owned:
+            self._owned = lanes
+            self._metrics.owned_lanes.set(len(lanes))
+            self._changed.set()
+            self._changed = asyncio.Event()
+
+    # -- connection -----------------------------------------------------------------------------
+    async def _connect(self) -> psycopg.AsyncConnection[tuple[object, ...]]:
+        try:
+            conn = await psycopg.AsyncConnection.connect(
+                self._settings.libpq_dsn, autocommit=True, application_name="outbox-relay-lanes"
+            )
+        except psycopg.Error as exc:
+            # The message may name host and user; the class is enough and leaks nothing.
+            raise DatabaseUnavailable(f"database unavailable: {type(exc).__name__}") from None
+        await conn.execute(self._store.join)
+        return conn
+
+    async def _drop(self) -> None:
+        conn, self._conn = self._conn, None
+        self._set_owned(frozenset())
+        if conn is not None and not conn.closed:
+            await conn.close()
+
+    # -- the loop ---------------------------------------------------------------------------
+    async def run(self, stopping: asyncio.Event) -> None:
+        """Rebalance every heartbeat until ``stopping``; reconnects with backoff."""
+        failures = 0
+        stats_due = 0.0
+        loop = asyncio.get_running_loop()
+        while not stopping.is_set():
+            try:
+                if self._conn is None:
+                    self._conn = await self._connect()
+                    if failures:
+                        log.info("lane connection restored", extra={"relay_id": self.relay_id})
+                await self._tick()
+                if loop.time() >= stats_due:
+                    await self._stats()
+                    stats_due = loop.time() + self._settings.relay.stats_interval_seconds
+                failures = 0
+                delay = self._settings.relay.heartbeat_seconds
+            except psycopg.errors.UndefinedTable as exc:
+                raise SchemaMissing(f"relay table missing ({exc.diag.message_primary})") from None
+            except (psycopg.OperationalError, psycopg.InterfaceError, DatabaseUnavailable) as exc:
+                if failures == 0:
+                    log.warning(
+                        "lane connection lost; lanes released until it is back",
+                        extra={"error": type(exc).__name__, "relay_id": self.relay_id},
+                    )
+                self._metrics.errors.labels(type(exc).__name__).inc()
+                await self._drop()
+                delay = self._retry.backoff(failures)
+                failures += 1
+            await sleep_unless(stopping, delay)
+
+    async def _tick(self) -> None:
+        conn = self._conn
+        assert conn is not None
+        lanes_total = self._settings.lanes
+        cur = await conn.execute(self._store.cluster_view)
+        row = await cur.fetchone()
+        assert row is not None
+        live, held_any = int(row[0]), set(row[1])  # type: ignore[call-overload]
+        plan = rebalance(self._owned, held_any, live, lanes_total)
+        owned = set(self._owned)
+        if plan.release:
+            await conn.execute(self._store.release, {"lanes": plan.release})
+            owned -= set(plan.release)
+            log.info("released lanes", extra={"lanes": len(plan.release), "share": plan.share})
+        elif plan.want:
+            cur = await conn.execute(
+                self._store.acquire, {"lanes": plan.candidates, "want": plan.want}
+            )
+            won = {int(r[0]) for r in await cur.fetchall()}  # type: ignore[call-overload]
+            if won:
+                owned |= won
+                log.info("acquired lanes", extra={"lanes": len(won), "share": plan.share})
+        self._set_owned(frozenset(owned))
+        await conn.execute(
+            self._store.heartbeat,
+            {
+                "relay_id": self.relay_id,
+                "hostname": socket.gethostname(),
+                "pid": os.getpid(),
+                "lanes": sorted(owned),
+            },
+        )
+        await conn.execute(
+            self._store.forget_dead, {"seconds": 10 * self._settings.relay.heartbeat_seconds + 5}
+        )
+
+    async def _stats(self) -> None:
+        assert self._conn is not None
+        cur = await self._conn.execute(self._store.pending_stats)
+        row = await cur.fetchone()
+        assert row is not None
+        self._metrics.pending.set(float(row[0]))  # type: ignore[arg-type]
+        self._metrics.oldest_age.set(float(row[1]))  # type: ignore[arg-type]
+
+    async def close(self) -> None:
+        """Leave the registry and release every lane (closing the session does both)."""
+        if self._conn is not None and not self._conn.closed:
+            with contextlib.suppress(psycopg.Error):
+                await self._conn.execute(self._store.leave, {"relay_id": self.relay_id})
+        await self._drop()

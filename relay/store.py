@@ -1,0 +1,331 @@
+"""The relay's SQL, in one place. The relay loop, the lane manager and the operator
+commands call these methods; none of them builds a statement.
+
+The hot path talks to psycopg 3 directly instead of going through SQLAlchemy: at tens of
+thousands of rows per second the per-row cost of SQLAlchemy's result processing is a
+large share of the relay's CPU. Statements are composed with ``psycopg.sql`` so that the
+configured schema and table prefix (already validated by the settings) are quoted as
+identifiers; values are always bind parameters.
+
+Claiming is one statement per batch:
+
+* a MATERIALIZED CTE takes a transaction-level advisory lock (the *fence*) on each lane
+  with ``pg_try_advisory_xact_lock``. Only the lane owner claims a lane, but ownership can
+  move while an old owner's batch is still in flight (a voluntary release, or a relay whose
+  lock connection died while its claim connection lives on). The fence serializes every
+  claim transaction of a lane, so a new owner never sends a lane's later rows while an old
+  transaction still holds (and might roll back) earlier ones. It is a *try* lock, so a
+  fenced lane is simply skipped this round: nothing blocks, no deadlock is possible.
+* per lane, a LATERAL index scan on (lane, id) WHERE published_at IS NULL takes rows in id
+  order with ``FOR UPDATE SKIP LOCKED`` (operator tools never block the relay and vice
+  versa); the outer LIMIT stops scanning once the batch is full, and the caller rotates the
+  lane list so every lane gets served.
+* in delete mode the claim *is* the DELETE (``... RETURNING``): the cheapest way to
+  consume a queue row in PostgreSQL (measured ~100k rows/s vs ~85k for SELECT FOR UPDATE
+  followed by DELETE by id). Rows Kafka did not acknowledge are put back, with their id,
+  by :meth:`RelayStore.restore` in the same transaction before it commits, so "only acked
+  rows are removed, in the claiming transaction" still holds. When nothing was acked the
+  transaction is simply rolled back.
+* with ``keep_published_hours > 0`` the claim is ``UPDATE ... SET published_at = now()``
+  and restore clears it again; ``outbox cleanup`` deletes marked rows past retention.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
+
+from psycopg import sql
+
+from outbox.settings import OutboxSettings
+
+# Column order of a claimed row (see CLAIMED_COLUMNS); the publisher indexes tuples by these.
+ID, LANE, TOPIC, KEY, PAYLOAD, CE_ID, EVENT_TYPE, SOURCE, CONTENT_TYPE, HEADERS, CE_TIME = range(11)
+ATTEMPTS, FINGERPRINT = 11, 12
+
+ClaimedRow = tuple[Any, ...]
+
+# Session options of the relay's claim connections. The outbox swings between empty, huge
+# and full of dead tuples, so table statistics are usually wrong; the planner then likes a
+# bitmap scan + sort per lane, which reads every row of the lane (dead ones included, and a
+# bitmap scan never marks them dead in the index) — measured 120 ms for an empty poll after
+# a 200k drain. The ordered index scan on (lane, id) WHERE published_at IS NULL is always
+# the right plan for these statements: it stops at LIMIT and kills dead index entries as
+# it passes, so the next poll is fast.
+CLAIM_CONNECTION_OPTIONS = "-c enable_bitmapscan=off -c enable_seqscan=off"
+
+_CE_TIME = "to_char({t}.created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"')"
+
+
+def _returning(alias: str) -> sql.Composed:
+    t = sql.Identifier(alias)
+    cols = [
+        sql.SQL("{}.id").format(t),
+        sql.SQL("{}.lane").format(t),
+        sql.SQL("{}.topic").format(t),
+        sql.SQL("{}.key").format(t),
+        sql.SQL("{}.payload").format(t),
+        sql.SQL("{}.event_id::text").format(t),
+        sql.SQL("{}.event_type").format(t),
+        sql.SQL("{}.source").format(t),
+        sql.SQL("{}.content_type").format(t),
+        sql.SQL("{}.headers::text").format(t),
+        sql.SQL(_CE_TIME.replace("{t}", "{}")).format(t),
+        sql.SQL("{}.attempts").format(t),
+        sql.SQL("{}.fingerprint").format(t),
+    ]
+    return sql.SQL(", ").join(cols)
+
+
+def namespaces(settings: OutboxSettings) -> tuple[int, int, int]:
+    """Advisory-lock namespaces (lane ownership, relay membership, claim fence).
+
+    Derived from schema and prefix so that two deployments sharing one database never
+    contend; kept positive so that they compare equal to ``pg_locks.classid`` (an oid).
+    """
+    base = zlib.crc32(f"{settings.db_schema}.{settings.table_prefix}".encode()) & 0x0FFFFFFF
+    return base | 0x10000000, base | 0x20000000, base | 0x30000000
+
+
+@dataclass(frozen=True)
+class RelayStore:
+    settings: OutboxSettings
+
+    # -- names ----------------------------------------------------------------------
+    def _table(self, suffix: str) -> sql.Identifier:
+        return sql.Identifier(self.settings.db_schema, f"{self.settings.table_prefix}{suffix}")
+
+    @cached_property
+    def _events(self) -> sql.Identifier:
+        return self._table("events")
+
+    @cached_property
+    def _failed(self) -> sql.Identifier:
+        return self._table("failed")
+
+    @cached_property
+    def _relays(self) -> sql.Identifier:
+        return self._table("relays")
+
+    @cached_property
+    def _ns(self) -> tuple[int, int, int]:
+        return namespaces(self.settings)
+
+    @property
+    def keep(self) -> bool:
+        return self.settings.relay.keep_published_hours > 0
+
+    # -- claim / acknowledge ----------------------------------------------------------
+    @cached_property
+    def claim(self) -> sql.Composed:
+        """Params: lanes (int[] in scan order), limit. Returns ClaimedRow tuples."""
+        picked = sql.SQL(
+            "WITH fenced AS MATERIALIZED ("
+            " SELECT u.lane FROM unnest(%(lanes)s::int4[]) AS u(lane)"
+            " WHERE pg_try_advisory_xact_lock({fence}, u.lane)"
+            "), picked AS ("
+            " SELECT c.id FROM fenced f CROSS JOIN LATERAL ("
+            "  SELECT e.id FROM {events} e"
+            "  WHERE e.lane = f.lane AND e.published_at IS NULL AND e.available_at <= now()"
+            "  ORDER BY e.id LIMIT %(limit)s FOR UPDATE SKIP LOCKED"
+            " ) c LIMIT %(limit)s"
+            ") "
+        ).format(fence=sql.Literal(self._ns[2]), events=self._events)
+        if self.keep:
+            action = sql.SQL(
+                "UPDATE {events} d SET published_at = now() FROM picked p WHERE d.id = p.id"
+            ).format(events=self._events)
+        else:
+            action = sql.SQL("DELETE FROM {events} d USING picked p WHERE d.id = p.id").format(
+                events=self._events
+            )
+        return picked + action + sql.SQL(" RETURNING ") + _returning("d")
+
+    @cached_property
+    def restore(self) -> sql.Composed:
+        """Put unacknowledged rows back (same id, so the same place in their lane).
+
+        Params: arrays from :meth:`restore_params`.
+        """
+        if self.keep:
+            return sql.SQL(
+                "UPDATE {events} e SET published_at = NULL, attempts = u.attempts,"
+                " last_error = u.err, available_at = now() + u.delay * interval '1 second'"
+                " FROM unnest(%(id)s::int8[], %(attempts)s::int4[], %(err)s::text[],"
+                " %(delay)s::float8[]) AS u(id, attempts, err, delay) WHERE e.id = u.id"
+            ).format(events=self._events)
+        return sql.SQL(
+            "INSERT INTO {events} (id, event_id, topic, key, lane, event_type, source,"
+            " content_type, payload, headers, fingerprint, created_at, available_at, attempts,"
+            " last_error)"
+            " SELECT u.id, u.event_id, u.topic, u.key, u.lane, u.event_type, u.source,"
+            " u.content_type, u.payload, u.headers, u.fingerprint, u.created_at,"
+            " now() + u.delay * interval '1 second', u.attempts, u.err"
+            " FROM unnest(%(id)s::int8[], %(event_id)s::uuid[], %(topic)s::text[],"
+            " %(key)s::bytea[], %(lane)s::int2[], %(event_type)s::text[], %(source)s::text[],"
+            " %(content_type)s::text[], %(payload)s::bytea[], %(headers)s::jsonb[],"
+            " %(fingerprint)s::bytea[], %(created_at)s::timestamptz[], %(delay)s::float8[],"
+            " %(attempts)s::int4[], %(err)s::text[])"
+            " AS u(id, event_id, topic, key, lane, event_type, source, content_type, payload,"
+            " headers, fingerprint, created_at, delay, attempts, err)"
+        ).format(events=self._events)
+
+    @cached_property
+    def move_to_failed(self) -> sql.Composed:
+        """Insert rows into the failed table (params as for :attr:`restore`)."""
+        return sql.SQL(
+            "INSERT INTO {failed} (id, event_id, topic, key, lane, event_type, source,"
+            " content_type, payload, headers, fingerprint, created_at, attempts, last_error)"
+            " SELECT u.id, u.event_id, u.topic, u.key, u.lane, u.event_type, u.source,"
+            " u.content_type, u.payload, u.headers, u.fingerprint, u.created_at, u.attempts,"
+            " u.err"
+            " FROM unnest(%(id)s::int8[], %(event_id)s::uuid[], %(topic)s::text[],"
+            " %(key)s::bytea[], %(lane)s::int2[], %(event_type)s::text[], %(source)s::text[],"
+            " %(content_type)s::text[], %(payload)s::bytea[], %(headers)s::jsonb[],"
+            " %(fingerprint)s::bytea[], %(created_at)s::timestamptz[], %(attempts)s::int4[],"
+            " %(err)s::text[])"
+            " AS u(id, event_id, topic, key, lane, event_type, source, content_type, payload,"
+            " headers, fingerprint, created_at, attempts, err)"
+            # The same event may fail again after an operator retried it: keep the latest.
+            " ON CONFLICT (event_id) DO UPDATE SET id = EXCLUDED.id, attempts ="
+            " EXCLUDED.attempts, last_error = EXCLUDED.last_error, failed_at = now()"
+        ).format(failed=self._failed)
+
+    @cached_property
+    def delete_marked(self) -> sql.Composed:
+        """Keep mode: remove rows that went to the failed table (param: ids)."""
+        return sql.SQL("DELETE FROM {events} WHERE id = ANY(%(id)s::int8[])").format(
+            events=self._events
+        )
+
+    @staticmethod
+    def restore_params(
+        rows: Sequence[ClaimedRow],
+        attempts: Sequence[int],
+        errors: Sequence[str | None],
+        delays: Sequence[float],
+    ) -> dict[str, list[Any]]:
+        return {
+            "id": [r[ID] for r in rows],
+            "event_id": [r[CE_ID] for r in rows],
+            "topic": [r[TOPIC] for r in rows],
+            "key": [r[KEY] for r in rows],
+            "lane": [r[LANE] for r in rows],
+            "event_type": [r[EVENT_TYPE] for r in rows],
+            "source": [r[SOURCE] for r in rows],
+            "content_type": [r[CONTENT_TYPE] for r in rows],
+            "payload": [r[PAYLOAD] for r in rows],
+            "headers": [r[HEADERS] for r in rows],
+            "fingerprint": [r[FINGERPRINT] for r in rows],
+            "created_at": [r[CE_TIME] for r in rows],
+            "delay": list(delays),
+            "attempts": list(attempts),
+            "err": list(errors),
+        }
+
+    # -- lanes and membership ------------------------------------------------------------
+    @cached_property
+    def join(self) -> sql.Composed:
+        """Session lock marking this connection as a live relay (membership)."""
+        return sql.SQL("SELECT pg_advisory_lock({ns}, pg_backend_pid())").format(
+            ns=sql.Literal(self._ns[1])
+        )
+
+    @cached_property
+    def cluster_view(self) -> sql.Composed:
+        """(live relays, lanes held by anyone) from pg_locks: no heartbeat delay at all."""
+        return sql.SQL(
+            "SELECT count(DISTINCT pid) FILTER (WHERE classid::int8 = {members}),"
+            " coalesce(array_agg(objid::int4) FILTER (WHERE classid::int8 = {lanes}), '{{}}')"
+            " FROM pg_locks WHERE locktype = 'advisory' AND granted AND objsubid = 2"
+            " AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"
+        ).format(members=sql.Literal(self._ns[1]), lanes=sql.Literal(self._ns[0]))
+
+    @cached_property
+    def acquire(self) -> sql.Composed:
+        """Try lanes in the given order, stop after %(want)s were won; returns them."""
+        return sql.SQL(
+            "SELECT u.lane FROM unnest(%(lanes)s::int4[]) AS u(lane)"
+            " WHERE pg_try_advisory_lock({ns}, u.lane) LIMIT %(want)s"
+        ).format(ns=sql.Literal(self._ns[0]))
+
+    @cached_property
+    def release(self) -> sql.Composed:
+        return sql.SQL(
+            "SELECT pg_advisory_unlock({ns}, u.lane) FROM unnest(%(lanes)s::int4[]) AS u(lane)"
+        ).format(ns=sql.Literal(self._ns[0]))
+
+    @cached_property
+    def heartbeat(self) -> sql.Composed:
+        return sql.SQL(
+            "INSERT INTO {relays} (relay_id, hostname, pid, lanes)"
+            " VALUES (%(relay_id)s, %(hostname)s, %(pid)s, %(lanes)s::int2[])"
+            " ON CONFLICT (relay_id) DO UPDATE SET heartbeat_at = now(), lanes = EXCLUDED.lanes"
+        ).format(relays=self._relays)
+
+    @cached_property
+    def forget_dead(self) -> sql.Composed:
+        """Registry rows of relays silent for %(seconds)s (their locks died with them)."""
+        return sql.SQL(
+            "DELETE FROM {relays} WHERE heartbeat_at < now() - %(seconds)s * interval '1 second'"
+        ).format(relays=self._relays)
+
+    @cached_property
+    def leave(self) -> sql.Composed:
+        return sql.SQL("DELETE FROM {relays} WHERE relay_id = %(relay_id)s").format(
+            relays=self._relays
+        )
+
+    @cached_property
+    def list_relays(self) -> sql.Composed:
+        return sql.SQL(
+            "SELECT relay_id, hostname, pid, started_at, heartbeat_at, lanes FROM {relays}"
+            " ORDER BY started_at"
+        ).format(relays=self._relays)
+
+    # -- observability -----------------------------------------------------------------------
+    @cached_property
+    def pending_stats(self) -> sql.Composed:
+        """(pending rows, age in seconds of the oldest, by the database clock)."""
+        return sql.SQL(
+            "SELECT count(*), coalesce(extract(epoch FROM now() - min(created_at)), 0)::float8"
+            " FROM {events} WHERE published_at IS NULL"
+        ).format(events=self._events)
+
+    # -- failed rows (operator commands) -------------------------------------------------
+    @cached_property
+    def failed_list(self) -> sql.Composed:
+        return sql.SQL(
+            "SELECT id, event_id::text, topic, event_type, attempts, last_error, failed_at,"
+            " octet_length(payload) FROM {failed}"
+            " WHERE (%(topic)s::text IS NULL OR topic = %(topic)s) ORDER BY id LIMIT %(limit)s"
+        ).format(failed=self._failed)
+
+    @cached_property
+    def failed_count(self) -> sql.Composed:
+        return sql.SQL("SELECT count(*) FROM {failed}").format(failed=self._failed)
+
+    @cached_property
+    def failed_retry(self) -> sql.Composed:
+        """Move failed rows (all when %(ids)s is NULL) back to the outbox, attempts reset."""
+        return sql.SQL(
+            "WITH moved AS (DELETE FROM {failed}"
+            " WHERE %(ids)s::int8[] IS NULL OR id = ANY(%(ids)s::int8[]) RETURNING *)"
+            " INSERT INTO {events} (id, event_id, topic, key, lane, event_type, source,"
+            " content_type, payload, headers, fingerprint, created_at)"
+            " SELECT id, event_id, topic, key, lane, event_type, source, content_type, payload,"
+            " headers, fingerprint, created_at FROM moved ORDER BY id"
+            " ON CONFLICT DO NOTHING RETURNING id"
+        ).format(failed=self._failed, events=self._events)
+
+    @cached_property
+    def failed_purge(self) -> sql.Composed:
+        """Delete failed rows by id, or older than %(hours)s, or all (both NULL)."""
+        return sql.SQL(
+            "DELETE FROM {failed} WHERE (%(ids)s::int8[] IS NULL OR id = ANY(%(ids)s::int8[]))"
+            " AND (%(hours)s::float8 IS NULL OR failed_at < now() - %(hours)s * interval '1 hour')"
+            " RETURNING id"
+        ).format(failed=self._failed)

@@ -1,0 +1,260 @@
+"""The relay as a subprocess: SIGKILL chaos with 3 relays, SIGTERM, metrics/health, a
+Kafka outage on a private broker, and the `outbox failed` CLI."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import socket
+import subprocess
+import threading
+import time
+import urllib.request
+import uuid
+from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
+
+import pytest
+from sqlalchemy import Engine, text
+
+from outbox.settings import OutboxSettings
+from tests.support.kafka import create_topic
+from tests.support.relay import (
+    ROOT,
+    RelayProcess,
+    outbox_cli,
+    pending,
+    publish_numbered,
+    read_ids,
+    relay_env,
+    verdict,
+    wait_drained,
+)
+
+pytestmark = pytest.mark.integration
+
+
+def _get(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=5) as response:
+        return str(response.read().decode())
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def test_sigkill_chaos_with_three_relays_loses_nothing_and_keeps_order(
+    engine: Engine,
+    settings: OutboxSettings,
+    new_topic: Callable[..., Awaitable[str]],
+    tmp_path: Path,
+) -> None:
+    topic = await new_topic(partitions=6)
+    # Small batches with a long linger keep the relays busy and every batch in flight for
+    # ~100 ms, so most kills land between send and commit.
+    env = relay_env(settings, OUTBOX_RELAY__BATCH_SIZE="50", OUTBOX_RELAY__LINGER_MS="100")
+    relays = [RelayProcess(env, tmp_path, f"r{i}") for i in range(3)]
+    ids: list[str] = []
+
+    def produce() -> None:
+        # 20,000 events over ~12 s in 200 transactions, so kills land mid-stream.
+        for chunk in range(200):
+            ids.extend(publish_numbered(engine, settings, topic, 100, keys=100, start=chunk * 100))
+            time.sleep(0.06)
+
+    producer = threading.Thread(target=produce)
+    producer.start()
+    rng = random.Random(7)
+    kills = 0
+    try:
+        while producer.is_alive():
+            await asyncio.sleep(rng.uniform(0.3, 1.2))
+            victim = rng.randrange(len(relays))
+            relays[victim].kill()
+            kills += 1
+            relays[victim] = RelayProcess(env, tmp_path, f"r{victim}-{kills}")
+        producer.join()
+        left = await asyncio.to_thread(wait_drained, engine, settings, 60)
+        assert left == 0, [r.log()[-2000:] for r in relays]
+        records = await read_ids(settings.kafka_bootstrap_servers, topic, ids)
+    finally:
+        for r in relays:
+            r.kill()
+    v = verdict(records, ids)
+    print(f"chaos: {kills} SIGKILLs, {len(ids)} events, {v.duplicates} duplicates")
+    assert len(ids) == 20_000 and kills >= 8
+    assert v.duplicates > 0  # some kill did land between send and commit
+    assert (v.lost, v.out_of_order, v.unexpected) == (0, 0, 0), v
+
+
+async def test_sigterm_exits_zero_quickly_and_metrics_and_health_are_served(
+    engine: Engine,
+    settings: OutboxSettings,
+    new_topic: Callable[..., Awaitable[str]],
+    tmp_path: Path,
+) -> None:
+    topic = await new_topic(partitions=3)
+    port = _free_port()
+    relay = RelayProcess(relay_env(settings), tmp_path, "metrics", "--metrics-port", str(port))
+    try:
+        ids = publish_numbered(engine, settings, topic, 3000, keys=30, per_tx=500)
+        records = await read_ids(settings.kafka_bootstrap_servers, topic, ids, wait_seconds=30)
+        assert verdict(records, ids).lost == 0
+        deadline = time.monotonic() + 15
+        while True:  # the pending gauge refreshes every stats interval
+            body = await asyncio.to_thread(_get, f"http://127.0.0.1:{port}/metrics")
+            if "outbox_relay_published_total 3000.0" in body or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.5)
+        assert "outbox_relay_published_total 3000.0" in body
+        for name in (
+            "outbox_relay_batch_size_bucket",
+            "outbox_relay_batch_seconds_bucket",
+            "outbox_relay_owned_lanes 64.0",
+            "outbox_relay_pending_events",
+            "outbox_relay_oldest_pending_age_seconds",
+        ):
+            assert name in body, name
+        assert await asyncio.to_thread(_get, f"http://127.0.0.1:{port}/healthz") == "ok\n"
+        # SIGTERM while busy: the in-flight batch finishes or is released, exit 0 fast.
+        more = publish_numbered(engine, settings, topic, 20_000, keys=30, per_tx=2000, start=3000)
+        await asyncio.sleep(0.3)
+        code, took = relay.terminate()
+    finally:
+        relay.kill()
+    assert code == 0, relay.log()[-3000:]
+    assert took < 8, took
+    assert "relay stopped" in relay.log()
+    # Whatever it did not publish is still pending; a new relay publishes the rest.
+    relay2 = RelayProcess(relay_env(settings), tmp_path, "after")
+    try:
+        records = await read_ids(settings.kafka_bootstrap_servers, topic, ids + more)
+    finally:
+        relay2.kill()
+    v = verdict(records, ids + more)
+    assert (v.lost, v.out_of_order) == (0, 0), v
+
+
+@pytest.fixture
+def private_kafka(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[str, Callable[[str], None]]]:
+    """A broker of our own (stopping the shared one would break everyone else's tests)."""
+    state = tmp_path_factory.mktemp("kafka")
+    port, controller = _free_port(), _free_port()
+    env = {
+        **os.environ,
+        "OUTBOX_SERVICES_DIR": str(state),
+        "OUTBOX_KAFKA_PORT": str(port),
+        "OUTBOX_KAFKA_CONTROLLER_PORT": str(controller),
+    }
+
+    def services(cmd: str) -> None:
+        res = subprocess.run(
+            [str(ROOT / "scripts" / "services"), cmd],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        if res.returncode != 0:
+            pytest.fail(f"private Kafka {cmd} failed: {res.stderr[-2000:]}", pytrace=False)
+
+    services("kafka-start")
+    try:
+        yield f"127.0.0.1:{port}", services
+    finally:
+        services("kafka-stop")
+
+
+async def test_kafka_down_30s_then_back_all_arrive_and_no_attempts_burned(
+    engine: Engine,
+    settings: OutboxSettings,
+    private_kafka: tuple[str, Callable[[str], None]],
+    tmp_path: Path,
+) -> None:
+    bootstrap, services = private_kafka
+    topic = await create_topic(bootstrap, None, 3)
+    s = settings.model_copy(update={"kafka_bootstrap_servers": bootstrap})
+    relay = RelayProcess(
+        relay_env(s, OUTBOX_RELAY__ACK_TIMEOUT_SECONDS="3", OUTBOX_RETRY__CAP_SECONDS="3"),
+        tmp_path,
+        "outage",
+    )
+    try:
+        ids = publish_numbered(engine, s, topic, 1000, keys=20)
+        first = await read_ids(bootstrap, topic, ids, wait_seconds=30)
+        assert verdict(first, ids).lost == 0
+        services("kafka-stop")
+        down_at = time.monotonic()
+        ids += publish_numbered(engine, s, topic, 2000, keys=20, start=1000)
+        await asyncio.sleep(30 - (time.monotonic() - down_at))
+        assert relay.alive(), relay.log()[-3000:]
+        with engine.connect() as conn:
+            burned = conn.execute(
+                text("SELECT count(*) FROM outbox_events WHERE attempts > 0")
+            ).scalar_one()
+        assert pending(engine, s) >= 1 and burned == 0
+        services("kafka-start")
+        records = await read_ids(bootstrap, topic, ids, wait_seconds=90)
+        left = await asyncio.to_thread(wait_drained, engine, s, 30)
+    finally:
+        relay.kill()
+    v = verdict(records, ids)
+    assert (v.lost, v.out_of_order, v.unexpected) == (0, 0, 0), v
+    assert left == 0
+    log = relay.log()
+    # One line when the outage starts and one when it ends — not one per retry.
+    assert 1 <= log.count("Kafka unavailable") <= 3, log[-3000:]
+    assert log.count("Kafka reachable again") >= 1, log[-3000:]
+
+
+async def test_failed_cli_list_retry_purge(
+    engine: Engine,
+    settings: OutboxSettings,
+    tmp_path: Path,
+    kafka_bootstrap: str,
+) -> None:
+    s = settings.model_copy(update={"table_prefix": f"cli{uuid.uuid4().hex[:6]}_"})
+    from outbox import migrate
+
+    migrate.upgrade(s)
+    missing = f"later-{uuid.uuid4().hex[:8]}"
+    ids = publish_numbered(engine, s, missing, 3, keys=1)
+    env = relay_env(s, OUTBOX_RELAY__MAX_ATTEMPTS="1", COLUMNS="400")
+    relay = RelayProcess(env, tmp_path, "cli")
+    try:
+        assert await asyncio.to_thread(wait_drained, engine, s, 30) == 0
+        listed = outbox_cli("failed", "list", env=env)
+        assert listed.returncode == 0, listed.stderr
+        assert "3 failed row(s)" in listed.stdout and "does not exist" in listed.stdout
+        bad = outbox_cli("failed", "retry", env=env)
+        assert bad.returncode == 2  # neither ids nor --all: refused, nothing touched
+        await create_topic(kafka_bootstrap, missing, 1)
+        retried = outbox_cli("failed", "retry", "--all", env=env)
+        assert retried.returncode == 0 and "requeued 3 row(s)" in retried.stdout, retried.stderr
+        records = await read_ids(kafka_bootstrap, missing, ids, wait_seconds=30)
+        assert verdict(records, ids).lost == 0
+        assert "0 failed row(s)" in outbox_cli("failed", "list", env=env).stdout
+        purged = outbox_cli("failed", "purge", "--all", env=env)
+        assert purged.returncode == 0 and "purged 0 row(s)" in purged.stdout
+    finally:
+        relay.kill()
+
+
+def test_relay_without_tables_exits_1_with_a_clear_error(
+    settings: OutboxSettings, tmp_path: Path
+) -> None:
+    s = settings.model_copy(update={"table_prefix": f"nope{uuid.uuid4().hex[:6]}_"})
+    relay = RelayProcess(relay_env(s), tmp_path, "no-tables")
+    try:
+        code = relay.proc.wait(30)
+    finally:
+        relay.kill()
+    assert code == 1
+    assert "outbox db upgrade" in relay.log()
+    assert "outbox:outbox@" not in relay.log()  # no password in any line

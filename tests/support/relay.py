@@ -1,0 +1,220 @@
+"""Helpers for relay tests: publish numbered events, run relays as subprocesses, and check
+what a dedupe-by-event_id consumer would see (lost, duplicates, out-of-order per key)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from sqlalchemy import Engine, text
+
+from outbox import Outbox
+from outbox.envelope import Message
+from outbox.settings import OutboxSettings
+from tests.support.kafka import Record
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def publish_numbered(
+    engine: Engine,
+    settings: OutboxSettings,
+    topic: str,
+    count: int,
+    *,
+    keys: int = 50,
+    per_tx: int = 100,
+    start: int = 0,
+) -> list[str]:
+    """Commit ``count`` events; payload {"key", "seq"} with seq increasing per key."""
+    ob = Outbox(settings)
+    ids: list[str] = []
+    for base in range(start, start + count, per_tx):
+        msgs = [
+            Message(
+                topic=topic,
+                key=f"k{n % keys}",
+                event_type="test.numbered",
+                payload={"key": f"k{n % keys}", "seq": n},
+            )
+            for n in range(base, min(base + per_tx, start + count))
+        ]
+        with engine.begin() as conn:
+            ids.extend(str(i) for i in ob.publish_many(conn, msgs))
+    return ids
+
+
+def pending(engine: Engine, settings: OutboxSettings) -> int:
+    with engine.connect() as conn:
+        return int(
+            conn.execute(
+                text(
+                    f'SELECT count(*) FROM "{settings.db_schema}"."{settings.table_prefix}events"'
+                    " WHERE published_at IS NULL"
+                )
+            ).scalar_one()
+        )
+
+
+def wait_drained(engine: Engine, settings: OutboxSettings, timeout: float) -> int:
+    deadline = time.monotonic() + timeout
+    left = pending(engine, settings)
+    while left and time.monotonic() < deadline:
+        time.sleep(0.2)
+        left = pending(engine, settings)
+    return left
+
+
+@dataclass(frozen=True)
+class Verdict:
+    received: int
+    unique: int
+    lost: int
+    duplicates: int
+    out_of_order: int
+    unexpected: int
+
+
+def verdict(records: Iterable[Record], expected_ids: Sequence[str]) -> Verdict:
+    """Drop duplicates by ce_id (first seen wins), then count per-key order violations:
+    adjacent pairs of one key whose seq goes down."""
+    seen: set[str] = set()
+    last_seq: dict[str, int] = {}
+    received = duplicates = out_of_order = 0
+    for rec in records:
+        received += 1
+        ce_id = rec.headers["ce_id"].decode()
+        if ce_id in seen:
+            duplicates += 1
+            continue
+        seen.add(ce_id)
+        body = json.loads(rec.value)
+        key, seq = body["key"], body["seq"]
+        if key in last_seq and seq < last_seq[key]:
+            out_of_order += 1
+        last_seq[key] = max(seq, last_seq.get(key, seq))
+    expected = set(expected_ids)
+    return Verdict(
+        received=received,
+        unique=len(seen),
+        lost=len(expected - seen),
+        duplicates=duplicates,
+        out_of_order=out_of_order,
+        unexpected=len(seen - expected),
+    )
+
+
+def relay_env(settings: OutboxSettings, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
+    env.update(
+        OUTBOX_DATABASE_URL=settings.database_url.get_secret_value(),
+        OUTBOX_KAFKA_BOOTSTRAP_SERVERS=settings.kafka_bootstrap_servers,
+        OUTBOX_DB_SCHEMA=settings.db_schema,
+        OUTBOX_TABLE_PREFIX=settings.table_prefix,
+        OUTBOX_RELAY__HEARTBEAT_SECONDS="0.5",
+        OUTBOX_RETRY__BASE_SECONDS="0.05",
+        OUTBOX_RETRY__CAP_SECONDS="2",
+    )
+    env.update(extra)
+    return env
+
+
+def outbox_cli(
+    *args: str, env: dict[str, str], timeout: float = 60
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [_outbox_exe(), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        check=False,
+    )
+
+
+def _outbox_exe() -> str:
+    exe = Path(sys.executable).with_name("outbox")
+    return str(exe) if exe.exists() else "outbox"
+
+
+class RelayProcess:
+    """``outbox relay`` as a subprocess, stderr captured to a file for post-mortems."""
+
+    def __init__(self, env: dict[str, str], log_dir: Path, name: str, *args: str) -> None:
+        self.log_path = log_dir / f"{name}.log"
+        self._log = self.log_path.open("ab")
+        self.proc = subprocess.Popen(
+            [_outbox_exe(), "relay", *args],
+            env=env,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            cwd=ROOT,
+        )
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def kill(self) -> None:
+        if self.alive():
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(10)
+        self._log.close()
+
+    def terminate(self, timeout: float = 15) -> tuple[int, float]:
+        """SIGTERM; returns (exit code, seconds it took to exit)."""
+        t0 = time.monotonic()
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            code = self.proc.wait(timeout)
+        finally:
+            self.kill()
+        return code, time.monotonic() - t0
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+async def read_ids(
+    bootstrap: str, topic: str, expected_ids: Sequence[str], wait_seconds: float = 60.0
+) -> list[Record]:
+    """Read ``topic`` from the start until every expected ce_id was seen (duplicates
+    included in the result) or time ran out."""
+    from aiokafka import AIOKafkaConsumer
+
+    want = set(expected_ids)
+    consumer = AIOKafkaConsumer(
+        topic,
+        bootstrap_servers=bootstrap,
+        auto_offset_reset="earliest",
+        enable_auto_commit=False,
+        group_id=None,
+    )
+    await consumer.start()
+    records: list[Record] = []
+    try:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait_seconds
+        while want and loop.time() < deadline:
+            batch = await consumer.getmany(timeout_ms=500, max_records=10_000)
+            # Partitions interleave arbitrarily; per-key order lives within a partition.
+            for msgs in batch.values():
+                for m in msgs:
+                    headers = dict(m.headers)
+                    want.discard(headers.get("ce_id", b"").decode())
+                    records.append(Record(m.topic, m.partition, m.offset, m.key, m.value, headers))
+    finally:
+        await consumer.stop()
+    return records

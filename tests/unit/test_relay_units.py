@@ -1,0 +1,74 @@
+"""Pure parts of the relay: lane rebalancing, error classification, lock namespaces."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from aiokafka import errors as kerr
+
+from outbox.errors import BrokerUnavailable, TopicMissing
+from outbox.settings import OutboxSettings
+from relay.errors import ProducerBroken, RecordRejected, RecordTooLarge
+from relay.lanes import rebalance
+from relay.publisher import Outcome, classify
+from relay.store import namespaces
+
+
+def test_alone_a_relay_wants_every_lane_free_ones_first() -> None:
+    plan = rebalance(frozenset(), held_any={0, 1}, live=1, lanes=8, rng=random.Random(1))
+    assert (plan.share, plan.want, plan.release) == (8, 8, [])
+    assert set(plan.candidates[:6]) == set(range(2, 8))
+    assert set(plan.candidates[6:]) == {0, 1}
+
+
+def test_above_share_releases_exactly_the_extras() -> None:
+    owned = frozenset(range(64))
+    plan = rebalance(owned, held_any=set(range(64)), live=3, lanes=64, rng=random.Random(2))
+    assert plan.share == 22
+    assert len(plan.release) == 42 and set(plan.release) <= owned
+    assert plan.want == 0
+
+
+@pytest.mark.parametrize("live", [1, 2, 3, 5, 8])
+def test_shares_of_all_live_relays_cover_every_lane(live: int) -> None:
+    plan = rebalance(frozenset(), set(), live, 64)
+    assert plan.share * live >= 64
+
+
+def test_at_share_does_nothing() -> None:
+    plan = rebalance(frozenset(range(32)), set(range(64)), live=2, lanes=64)
+    assert (plan.release, plan.candidates, plan.want) == ([], [], 0)
+
+
+@pytest.mark.parametrize(
+    ("exc", "kind"),
+    [
+        (kerr.MessageSizeTooLargeError(), RecordRejected),
+        (kerr.TopicAuthorizationFailedError(), RecordRejected),
+        (kerr.InvalidTopicError(), RecordRejected),
+        (kerr.OutOfOrderSequenceNumber(), ProducerBroken),
+        (kerr.UnknownProducerId(), ProducerBroken),
+        (kerr.KafkaConnectionError(), BrokerUnavailable),
+        (kerr.NotEnoughReplicasError(), BrokerUnavailable),
+        (TimeoutError(), BrokerUnavailable),
+        (RecordTooLarge(10, 5), RecordTooLarge),
+        (TopicMissing("t"), TopicMissing),
+    ],
+)
+def test_classify(exc: Exception, kind: type[Exception]) -> None:
+    assert isinstance(classify(exc), kind)
+
+
+def test_row_rejections_are_not_transient_but_outages_are() -> None:
+    assert Outcome(failed={0: RecordTooLarge(2, 1), 1: TopicMissing("t")}).transient is None
+    down = BrokerUnavailable("down")
+    assert Outcome(failed={0: RecordTooLarge(2, 1), 1: down}).transient is down
+    assert not RecordRejected("x").retriable and BrokerUnavailable("x").retriable
+
+
+def test_lock_namespaces_are_distinct_positive_and_per_deployment() -> None:
+    a = namespaces(OutboxSettings())
+    b = namespaces(OutboxSettings(table_prefix="other_"))
+    assert len(set(a)) == 3 and all(0 < n < 2**31 for n in a)
+    assert set(a).isdisjoint(b)
