@@ -17,6 +17,7 @@ from functools import cache
 
 from sqlalchemy import (
     BigInteger,
+    CheckConstraint,
     Column,
     DateTime,
     Identity,
@@ -62,6 +63,8 @@ class Tables:
     failed: Table  # relay: rows Kafka rejected permanently, moved aside
     relays: Table  # relay: live relay processes and the lanes they own
     inbox: Table  # inbox: (consumer, event_id) processed, dead-lettered or skipped
+    inbox_attempts: Table  # inbox: durable attempt marker per (consumer, partition)
+    dead_letters: Table  # inbox: dead-lettered records, kept for inspection and replay
     idempotency: Table  # core: idempotent request records (the Stripe pattern)
 
     @property
@@ -156,19 +159,70 @@ def _inbox(md: MetaData, prefix: str) -> Table:
         name,
         md,
         Column("consumer", Text, primary_key=True),
+        # The CloudEvents `ce_id`; records without one get "<topic>:<partition>:<offset>".
         Column("event_id", Text, primary_key=True),
         Column("topic", Text, nullable=False),
         Column("partition", Integer, nullable=False),
         Column("offset", BigInteger, nullable=False),
         Column("event_type", Text, nullable=True),
+        # processed | dead_lettered | skipped | replaying (a replay is on its way)
         Column("status", Text, nullable=False),
         Column("attempts", Integer, nullable=False, server_default=text("0")),
         Column("last_error", Text, nullable=True),
-        Column(
-            "received_at", DateTime(timezone=True), nullable=False, server_default=text("now()")
-        ),
+        Column("received_at", DateTime(timezone=True), nullable=False, server_default=text("now()")),
         Column("processed_at", DateTime(timezone=True), nullable=True),
         Index(f"{name}_processed_at_idx", "processed_at"),
+    )
+
+
+def _inbox_attempts(md: MetaData, prefix: str) -> Table:
+    # One row per (consumer, topic, partition), not per event: "a run over offsets
+    # [start_offset, end_offset] started `attempts` times and has not finished". It is
+    # committed before handlers run and reset in the run's own commit, so a run that killed
+    # the process is visible on restart (see inbox/processor.py).
+    return Table(
+        f"{prefix}inbox_attempts",
+        md,
+        Column("consumer", Text, primary_key=True),
+        Column("topic", Text, primary_key=True),
+        Column("partition", Integer, primary_key=True),
+        Column("start_offset", BigInteger, nullable=False),
+        Column("end_offset", BigInteger, nullable=False),
+        Column("attempts", Integer, nullable=False),
+        Column("last_error", Text, nullable=True),
+        Column("updated_at", DateTime(timezone=True), nullable=False, server_default=text("now()")),
+    )
+
+
+def _dead_letters(md: MetaData, prefix: str) -> Table:
+    name = f"{prefix}dead_letters"
+    return Table(
+        name,
+        md,
+        Column("consumer", Text, primary_key=True),
+        Column("event_id", Text, primary_key=True),
+        Column("topic", Text, nullable=False),
+        Column("partition", Integer, nullable=False),
+        Column("offset", BigInteger, nullable=False),
+        Column("event_type", Text, nullable=True),
+        # The original record, byte for byte, so a replay does not depend on the DLQ
+        # topic's retention.
+        Column("key", LargeBinary, nullable=True),
+        Column("value", LargeBinary, nullable=True),
+        Column("header_names", ARRAY(Text), nullable=False),
+        Column("header_values", ARRAY(LargeBinary), nullable=False),
+        Column("error_class", Text, nullable=False),
+        Column("error_message", Text, nullable=False),
+        Column("attempts", Integer, nullable=False),
+        Column("dlq_topic", Text, nullable=False),
+        Column("dlq_partition", Integer, nullable=True),
+        Column("dlq_offset", BigInteger, nullable=True),
+        Column(
+            "dead_lettered_at", DateTime(timezone=True), nullable=False, server_default=text("now()")
+        ),
+        Column("replays", Integer, nullable=False, server_default=text("0")),
+        Column("replayed_at", DateTime(timezone=True), nullable=True),
+        Index(f"{name}_dead_lettered_at_idx", "dead_lettered_at"),
     )
 
 
@@ -180,16 +234,25 @@ def _idempotency(md: MetaData, prefix: str) -> Table:
     return Table(
         name,
         md,
+        # scope = principal/tenant + route, so two users' keys never collide.
         Column("scope", Text, primary_key=True),
         Column("key", Text, primary_key=True),
+        # SHA-256 (hex) of the canonical request: same key + other payload is a conflict.
         Column("payload_hash", Text, nullable=False),
-        Column("status", Text, nullable=False),
+        Column("status", Text, nullable=False),  # pending | complete | failed
         Column("response_status", Integer, nullable=True),
+        # [[name, value], ...] in response order (a header may repeat).
         Column("response_headers", JSONB, nullable=True),
         Column("response_body", LargeBinary, nullable=True),
         Column("created_at", DateTime(timezone=True), nullable=False, server_default=text("now()")),
         Column("expires_at", DateTime(timezone=True), nullable=False),
+        # Lease of the request running the operation; past it, a dead owner is taken over.
         Column("locked_until", DateTime(timezone=True), nullable=True),
+        # Which claim owns a pending record; the owner re-checks it before committing.
+        Column("lock_token", UUID(as_uuid=True), nullable=True),
+        Column("completed_at", DateTime(timezone=True), nullable=True),
+        CheckConstraint("status IN ('pending', 'complete', 'failed')", name="status"),
+        CheckConstraint("char_length(key) BETWEEN 1 AND 255", name="key_length"),
         Index(f"{name}_expires_at_idx", "expires_at"),
     )
 
@@ -203,6 +266,8 @@ def _build(schema: str, prefix: str) -> Tables:
         failed=_failed(md, prefix),
         relays=_relays(md, prefix),
         inbox=_inbox(md, prefix),
+        inbox_attempts=_inbox_attempts(md, prefix),
+        dead_letters=_dead_letters(md, prefix),
         idempotency=_idempotency(md, prefix),
     )
 
