@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cache
+from typing import Any
 
 from sqlalchemy import (
     BigInteger,
@@ -46,6 +47,8 @@ HOT_TABLE_STORAGE = {
 }
 
 
+NOW = text("now()")
+
 # PostgreSQL's own default names, so migrations, metadata and hand-written DDL agree.
 NAMING_CONVENTION = {
     "pk": "%(table_name)s_pkey",
@@ -72,14 +75,10 @@ class Tables:
         return self.metadata.schema
 
 
-def _events(md: MetaData, prefix: str) -> Table:
-    name = f"{prefix}events"
-    return Table(
-        name,
-        md,
-        # Ordering inside a lane is by id. ids are assigned at INSERT, so a row with a lower
-        # id can become visible after a higher one; the relay never uses an id watermark.
-        Column("id", BigInteger, Identity(always=False), primary_key=True),
+def _record_columns() -> list[Column[Any]]:
+    """The columns describing one event, shared by the outbox and the failed table
+    (a failed row is an outbox row moved aside, column for column)."""
+    return [
         Column("event_id", UUID(as_uuid=True), nullable=False, unique=True),
         Column("topic", Text, nullable=False),
         Column("key", LargeBinary, nullable=True),
@@ -88,13 +87,23 @@ def _events(md: MetaData, prefix: str) -> Table:
         Column("source", Text, nullable=False),
         Column("content_type", Text, nullable=False),
         Column("payload", LargeBinary, nullable=False),
-        Column("headers", JSONB, nullable=False, server_default=text("'{}'::jsonb")),
         # SHA-256 over topic, key, type and payload: detects a reused event_id.
         Column("fingerprint", LargeBinary, nullable=False),
-        Column("created_at", DateTime(timezone=True), nullable=False, server_default=text("now()")),
-        Column(
-            "available_at", DateTime(timezone=True), nullable=False, server_default=text("now()")
-        ),
+    ]
+
+
+def _events(md: MetaData, prefix: str) -> Table:
+    name = f"{prefix}events"
+    return Table(
+        name,
+        md,
+        # Ordering inside a lane is by id. ids are assigned at INSERT, so a row with a lower
+        # id can become visible after a higher one; the relay never uses an id watermark.
+        Column("id", BigInteger, Identity(always=False), primary_key=True),
+        *_record_columns(),
+        Column("headers", JSONB, nullable=False, server_default=text("'{}'::jsonb")),
+        Column("created_at", DateTime(timezone=True), nullable=False, server_default=NOW),
+        Column("available_at", DateTime(timezone=True), nullable=False, server_default=NOW),
         Column("attempts", Integer, nullable=False, server_default=text("0")),
         Column("last_error", Text, nullable=True),
         Column("published_at", DateTime(timezone=True), nullable=True),
@@ -118,20 +127,12 @@ def _failed(md: MetaData, prefix: str) -> Table:
         f"{prefix}failed",
         md,
         Column("id", BigInteger, primary_key=True),  # the id the row had in events
-        Column("event_id", UUID(as_uuid=True), nullable=False, unique=True),
-        Column("topic", Text, nullable=False),
-        Column("key", LargeBinary, nullable=True),
-        Column("lane", SmallInteger, nullable=False),
-        Column("event_type", Text, nullable=False),
-        Column("source", Text, nullable=False),
-        Column("content_type", Text, nullable=False),
-        Column("payload", LargeBinary, nullable=False),
+        *_record_columns(),
         Column("headers", JSONB, nullable=False),
-        Column("fingerprint", LargeBinary, nullable=False),
         Column("created_at", DateTime(timezone=True), nullable=False),
         Column("attempts", Integer, nullable=False),
         Column("last_error", Text, nullable=True),
-        Column("failed_at", DateTime(timezone=True), nullable=False, server_default=text("now()")),
+        Column("failed_at", DateTime(timezone=True), nullable=False, server_default=NOW),
     )
 
 
@@ -142,10 +143,8 @@ def _relays(md: MetaData, prefix: str) -> Table:
         Column("relay_id", Text, primary_key=True),
         Column("hostname", Text, nullable=False),
         Column("pid", Integer, nullable=False),
-        Column("started_at", DateTime(timezone=True), nullable=False, server_default=text("now()")),
-        Column(
-            "heartbeat_at", DateTime(timezone=True), nullable=False, server_default=text("now()")
-        ),
+        Column("started_at", DateTime(timezone=True), nullable=False, server_default=NOW),
+        Column("heartbeat_at", DateTime(timezone=True), nullable=False, server_default=NOW),
         Column("lanes", ARRAY(SmallInteger), nullable=False, server_default=text("'{}'")),
     )
 
@@ -169,7 +168,7 @@ def _inbox(md: MetaData, prefix: str) -> Table:
         Column("status", Text, nullable=False),
         Column("attempts", Integer, nullable=False, server_default=text("0")),
         Column("last_error", Text, nullable=True),
-        Column("received_at", DateTime(timezone=True), nullable=False, server_default=text("now()")),
+        Column("received_at", DateTime(timezone=True), nullable=False, server_default=NOW),
         Column("processed_at", DateTime(timezone=True), nullable=True),
         Index(f"{name}_processed_at_idx", "processed_at"),
     )
@@ -190,7 +189,7 @@ def _inbox_attempts(md: MetaData, prefix: str) -> Table:
         Column("end_offset", BigInteger, nullable=False),
         Column("attempts", Integer, nullable=False),
         Column("last_error", Text, nullable=True),
-        Column("updated_at", DateTime(timezone=True), nullable=False, server_default=text("now()")),
+        Column("updated_at", DateTime(timezone=True), nullable=False, server_default=NOW),
     )
 
 
@@ -217,9 +216,7 @@ def _dead_letters(md: MetaData, prefix: str) -> Table:
         Column("dlq_topic", Text, nullable=False),
         Column("dlq_partition", Integer, nullable=True),
         Column("dlq_offset", BigInteger, nullable=True),
-        Column(
-            "dead_lettered_at", DateTime(timezone=True), nullable=False, server_default=text("now()")
-        ),
+        Column("dead_lettered_at", DateTime(timezone=True), nullable=False, server_default=NOW),
         Column("replays", Integer, nullable=False, server_default=text("0")),
         Column("replayed_at", DateTime(timezone=True), nullable=True),
         Index(f"{name}_dead_lettered_at_idx", "dead_lettered_at"),
@@ -244,7 +241,7 @@ def _idempotency(md: MetaData, prefix: str) -> Table:
         # [[name, value], ...] in response order (a header may repeat).
         Column("response_headers", JSONB, nullable=True),
         Column("response_body", LargeBinary, nullable=True),
-        Column("created_at", DateTime(timezone=True), nullable=False, server_default=text("now()")),
+        Column("created_at", DateTime(timezone=True), nullable=False, server_default=NOW),
         Column("expires_at", DateTime(timezone=True), nullable=False),
         # Lease of the request running the operation; past it, a dead owner is taken over.
         Column("locked_until", DateTime(timezone=True), nullable=True),

@@ -58,22 +58,40 @@ def database_url(services: Endpoints) -> Iterator[str]:
 
 
 @pytest.fixture(scope="session")
-def settings(database_url: str, services: Endpoints) -> OutboxSettings:
+def base_settings(database_url: str, services: Endpoints) -> OutboxSettings:
     s = OutboxSettings(database_url=database_url, kafka_bootstrap_servers=services.kafka_bootstrap)  # type: ignore[arg-type]
     migrate.upgrade(s)
     return s
 
 
 @pytest.fixture(scope="session")
-def engine(settings: OutboxSettings) -> Iterator[Engine]:
-    e = sync_engine(settings, pool_size=10)
+def settings(base_settings: OutboxSettings) -> OutboxSettings:
+    """Settings of the session database (default schema and prefix, migrated).
+
+    Modules whose tests run relays override this with ``isolated_settings``: a relay
+    publishes every pending row of its tables, so it must not see other tests' rows.
+    """
+    return base_settings
+
+
+@pytest.fixture
+def isolated_settings(base_settings: OutboxSettings) -> OutboxSettings:
+    """Settings with tables of their own (a fresh table prefix, migrated) for one test."""
+    s = base_settings.model_copy(update={"table_prefix": f"t{uuid.uuid4().hex[:8]}_"})
+    migrate.upgrade(s)
+    return s
+
+
+@pytest.fixture(scope="session")
+def engine(base_settings: OutboxSettings) -> Iterator[Engine]:
+    e = sync_engine(base_settings, pool_size=10)
     yield e
     e.dispose()
 
 
 @pytest.fixture
-async def aengine(settings: OutboxSettings) -> AsyncIterator[AsyncEngine]:
-    e = make_async_engine(settings)
+async def aengine(base_settings: OutboxSettings) -> AsyncIterator[AsyncEngine]:
+    e = make_async_engine(base_settings)
     yield e
     await e.dispose()
 

@@ -19,6 +19,12 @@ from tests.support.relay import publish_numbered, read_ids, verdict
 pytestmark = pytest.mark.integration
 
 
+@pytest.fixture
+def settings(isolated_settings: OutboxSettings) -> OutboxSettings:
+    # A relay publishes every pending row of its tables: give each test tables of its own.
+    return isolated_settings
+
+
 def fast(settings: OutboxSettings, **relay: object) -> OutboxSettings:
     r = settings.relay.model_copy(update={"heartbeat_seconds": 0.3, **relay})
     retry = settings.retry.model_copy(update={"base_seconds": 0.05, "cap_seconds": 1.0})
@@ -94,7 +100,8 @@ async def test_lower_id_committing_after_higher_id_is_published(
     assert [r.headers["ce_id"].decode() for r in both] == [str(high), str(low)]
     with engine.connect() as conn:
         ids = conn.execute(
-            text("SELECT id FROM outbox_events WHERE event_id IN (:a, :b)"), {"a": low, "b": high}
+            text(f"SELECT id FROM {ob.tables.events.fullname} WHERE event_id IN (:a, :b)"),
+            {"a": low, "b": high},
         ).all()
     assert ids == []  # both deleted once acked
 
@@ -142,6 +149,7 @@ async def test_missing_topic_and_oversize_go_to_failed_without_blocking_the_lane
     missing = f"missing-{uuid.uuid4().hex[:8]}"
     ob = Outbox(settings)
     big_id = uuid.uuid4()
+    events = ob.tables.events.fullname
     with engine.begin() as conn:
         before = ob.publish(
             conn, topic=topic, key="same", event_type="t", payload={"key": "same", "seq": 0}
@@ -149,11 +157,10 @@ async def test_missing_topic_and_oversize_go_to_failed_without_blocking_the_lane
         # Bypass publish()'s own size check: a row written by an older version or by hand.
         conn.execute(
             text(
-                "INSERT INTO outbox_events (event_id, topic, key, lane, event_type, source,"
+                f"INSERT INTO {events} (event_id, topic, key, lane, event_type, source,"
                 " content_type, payload, fingerprint)"
                 " SELECT :eid, topic, key, lane, 't.big', source, content_type, :payload,"
-                " fingerprint"
-                " FROM outbox_events WHERE event_id = :before"
+                f" fingerprint FROM {events} WHERE event_id = :before"
             ),
             {"eid": big_id, "payload": b"x" * (2 * 1024 * 1024), "before": before},
         )
