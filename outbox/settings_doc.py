@@ -17,7 +17,9 @@ def _default(field: FieldInfo) -> str:
     return f"`{value}`"
 
 
-def rows(model: type[BaseModel] = OutboxSettings, env: str = "OUTBOX_") -> list[tuple[str, str, str]]:
+def rows(
+    model: type[BaseModel] = OutboxSettings, env: str = "OUTBOX_"
+) -> list[tuple[str, str, str]]:
     """(environment variable, default, description) for every leaf setting."""
     out: list[tuple[str, str, str]] = []
     for name, field in model.model_fields.items():

@@ -35,7 +35,9 @@ def upgrade() -> None:
         sa.Column("created_at", sa.DateTime(timezone=True), nullable=False),
         sa.Column("attempts", sa.Integer, nullable=False),
         sa.Column("last_error", sa.Text, nullable=True),
-        sa.Column("failed_at", sa.DateTime(timezone=True), nullable=False, server_default=sa.text("now()")),
+        sa.Column(
+            "failed_at", sa.DateTime(timezone=True), nullable=False, server_default=sa.text("now()")
+        ),
         sa.PrimaryKeyConstraint("id", name=f"{failed}_pkey"),
         sa.UniqueConstraint("event_id", name=f"{failed}_event_id_key"),
         schema=schema,
@@ -46,9 +48,24 @@ def upgrade() -> None:
         sa.Column("relay_id", sa.Text, nullable=False),
         sa.Column("hostname", sa.Text, nullable=False),
         sa.Column("pid", sa.Integer, nullable=False),
-        sa.Column("started_at", sa.DateTime(timezone=True), nullable=False, server_default=sa.text("now()")),
-        sa.Column("heartbeat_at", sa.DateTime(timezone=True), nullable=False, server_default=sa.text("now()")),
-        sa.Column("lanes", postgresql.ARRAY(sa.SmallInteger), nullable=False, server_default=sa.text("'{}'")),
+        sa.Column(
+            "started_at",
+            sa.DateTime(timezone=True),
+            nullable=False,
+            server_default=sa.text("now()"),
+        ),
+        sa.Column(
+            "heartbeat_at",
+            sa.DateTime(timezone=True),
+            nullable=False,
+            server_default=sa.text("now()"),
+        ),
+        sa.Column(
+            "lanes",
+            postgresql.ARRAY(sa.SmallInteger),
+            nullable=False,
+            server_default=sa.text("'{}'"),
+        ),
         sa.PrimaryKeyConstraint("relay_id", name=f"{relays}_pkey"),
         schema=schema,
     )
