@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from aiokafka import AIOKafkaConsumer
@@ -31,10 +32,14 @@ class Record:
     headers: dict[str, bytes]
 
 
-async def read_all(
-    bootstrap: str, topic: str, expect: int, wait_seconds: float = 60.0
+async def read_until(
+    bootstrap: str,
+    topic: str,
+    done: Callable[[Record], bool],
+    wait_seconds: float = 60.0,
 ) -> list[Record]:
-    """Read ``topic`` from the beginning until ``expect`` records arrived or time ran out."""
+    """Read ``topic`` from the beginning, feeding each record to ``done``, until it returns
+    True or time ran out. Returns every record read (duplicates included)."""
     consumer = AIOKafkaConsumer(
         topic,
         bootstrap_servers=bootstrap,
@@ -44,16 +49,33 @@ async def read_all(
     )
     await consumer.start()
     records: list[Record] = []
+    finished = False
     try:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + wait_seconds
-        while len(records) < expect and loop.time() < deadline:
+        while not finished and loop.time() < deadline:
             batch = await consumer.getmany(timeout_ms=500, max_records=10_000)
             for msgs in batch.values():
-                records.extend(
-                    Record(m.topic, m.partition, m.offset, m.key, m.value, dict(m.headers))
-                    for m in msgs
-                )
+                for m in msgs:
+                    record = Record(m.topic, m.partition, m.offset, m.key, m.value, dict(m.headers))
+                    records.append(record)
+                    finished = done(record) or finished
     finally:
         await consumer.stop()
     return records
+
+
+async def read_all(
+    bootstrap: str, topic: str, expect: int, wait_seconds: float = 60.0
+) -> list[Record]:
+    """Read ``topic`` from the beginning until ``expect`` records arrived or time ran out."""
+    seen = 0
+
+    def enough(_: Record) -> bool:
+        nonlocal seen
+        seen += 1
+        return seen >= expect
+
+    if expect <= 0:
+        return []
+    return await read_until(bootstrap, topic, enough, wait_seconds)

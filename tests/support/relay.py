@@ -3,7 +3,6 @@ what a dedupe-by-event_id consumer would see (lost, duplicates, out-of-order per
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import signal
@@ -19,7 +18,7 @@ from sqlalchemy import Engine, text
 from outbox import Outbox
 from outbox.envelope import Message
 from outbox.settings import OutboxSettings
-from tests.support.kafka import Record
+from tests.support.kafka import Record, read_until
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -192,29 +191,12 @@ async def read_ids(
 ) -> list[Record]:
     """Read ``topic`` from the start until every expected ce_id was seen (duplicates
     included in the result) or time ran out."""
-    from aiokafka import AIOKafkaConsumer
-
     want = set(expected_ids)
-    consumer = AIOKafkaConsumer(
-        topic,
-        bootstrap_servers=bootstrap,
-        auto_offset_reset="earliest",
-        enable_auto_commit=False,
-        group_id=None,
-    )
-    await consumer.start()
-    records: list[Record] = []
-    try:
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + wait_seconds
-        while want and loop.time() < deadline:
-            batch = await consumer.getmany(timeout_ms=500, max_records=10_000)
-            # Partitions interleave arbitrarily; per-key order lives within a partition.
-            for msgs in batch.values():
-                for m in msgs:
-                    headers = dict(m.headers)
-                    want.discard(headers.get("ce_id", b"").decode())
-                    records.append(Record(m.topic, m.partition, m.offset, m.key, m.value, headers))
-    finally:
-        await consumer.stop()
-    return records
+
+    def all_seen(record: Record) -> bool:
+        want.discard(record.headers.get("ce_id", b"").decode())
+        return not want
+
+    if not want:
+        return []
+    return await read_until(bootstrap, topic, all_seen, wait_seconds)
