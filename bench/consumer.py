@@ -3,12 +3,24 @@
     python -m bench.consumer [--events 40000] [--partitions 8] [--latency-seconds 15]
 
 1. Throughput: ``--events`` CloudEvents records (~300 B JSON) are produced to a fresh topic
-   first, then one consumer drains them with inbox dedupe and a handler inserting one row,
+   first, then one consumer drains them with inbox dedupe and a handler inserting one row:
+
+   * ``orm``: the handler parses a pydantic model and ``session.add()``s one ORM row — the
+     idiomatic handler; the batch's rows reach the database in one multi-row INSERT at the
+     run's flush;
+   * ``execute``: the handler runs one ``INSERT`` statement itself (one round trip per
+     event, the handler's own cost);
+
    in batch mode (one transaction per partition batch) and, for comparison, in
    one-transaction-per-event mode (on a smaller slice, it is much slower).
-2. Latency at a steady 1,000 events/s: Kafka produce -> handler commit (the moment the
-   database commit returned, before the offset commit), p50/p99. The relay is not in the
-   path: add the relay's own produce latency for producer-commit -> handler-commit.
+2. Latency at a steady ``--rate`` (1,000 events/s): a producer in a *separate process*
+   (so it does not compete with the consumer for its event loop) sends paced records;
+   latency = Kafka produce call -> the handler's database commit returned (before the
+   offset commit), p50/p99, with the consumer's CPU time per event. Both processes read the
+   same monotonic clock. The relay is not in this path: add the relay's own claim ->
+   Kafka ack latency for producer-commit -> handler-commit.
+
+Figures depend heavily on what else runs on the machine: the report prints the load.
 """
 
 # ruff: noqa: ASYNC110  (the bench polls counters on purpose)
@@ -18,15 +30,20 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
+import os
+import resource
 import statistics
 import time
 import uuid
-from typing import Any
+from multiprocessing.connection import Connection
 
 from aiokafka import AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-from sqlalchemy import text
+from pydantic import BaseModel
+from sqlalchemy import BigInteger, Integer, Text, text
 from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 import inbox
 from bench.common import drop_schema, payload_300b, scratch_settings
@@ -34,7 +51,27 @@ from inbox import ConsumerDaemon, Metrics
 from outbox.db import sync_engine
 from outbox.settings import ConsumerSettings, OutboxSettings
 
-KAFKA_OPTIONS: dict[str, Any] = {}
+TABLE = "bench_orders"
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class BenchOrder(Base):
+    """The handler's effect row (unqualified: found through the bench's search_path)."""
+
+    __tablename__ = TABLE
+    id: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    order_id: Mapped[str] = mapped_column(Text)
+    total_cents: Mapped[int] = mapped_column(Integer)
+
+
+class OrderCreated(BaseModel):
+    order_id: str
+    customer_id: str
+    currency: str
+    total_cents: int
 
 
 class TimedDaemon(ConsumerDaemon):
@@ -82,152 +119,219 @@ async def produce_all(bootstrap: str, topic: str, n: int) -> None:
         await producer.stop()
 
 
-def make_app(name: str, topic: str, table: str) -> inbox.Consumer:
-    app = inbox.Consumer(name=name, topics=[topic], kafka_options=KAFKA_OPTIONS)
-    insert = text(f"INSERT INTO {table} (order_id, total_cents) VALUES (:o, :t)")
+def make_app(name: str, topic: str, handler: str) -> inbox.Consumer:
+    app = inbox.Consumer(name=name, topics=[topic])
+    if handler == "orm":
 
-    @app.handler("order.created")
-    async def order_created(event: inbox.InboxEvent, session: AsyncSession) -> None:
-        body = json.loads(event.value or b"{}")
-        await session.execute(insert, {"o": body["order_id"], "t": body["total_cents"]})
+        @app.handler("order.created")
+        async def add_row(event: OrderCreated, session: AsyncSession) -> None:
+            session.add(BenchOrder(order_id=event.order_id, total_cents=event.total_cents))
+
+    else:
+        insert = text(f"INSERT INTO {TABLE} (order_id, total_cents) VALUES (:o, :t)")
+
+        @app.handler("order.created")
+        async def execute_insert(event: inbox.InboxEvent, session: AsyncSession) -> None:
+            body = json.loads(event.value or b"{}")
+            await session.execute(insert, {"o": body["order_id"], "t": body["total_cents"]})
 
     return app
 
 
-async def drain(settings: OutboxSettings, topic: str, table: str, n: int) -> tuple[float, int]:
-    app = make_app(f"bench-{uuid.uuid4().hex[:6]}", topic, table)
+def cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+async def drain(
+    settings: OutboxSettings, topic: str, n: int, handler: str
+) -> tuple[float, int, float]:
+    """(seconds, events counted, consumer CPU seconds) from the first processed event on."""
+    app = make_app(f"bench-{uuid.uuid4().hex[:6]}", topic, handler)
     metrics = Metrics(app.name)
     daemon = ConsumerDaemon(app, settings, metrics)
     stop = asyncio.Event()
     task = asyncio.create_task(daemon.run(stop))
     started: float | None = None
+    cpu0, first = 0.0, 0
     while metrics.counts["processed"] < n:
         if task.done():
             await task
         if started is None and metrics.counts["processed"] > 0:
-            started = time.perf_counter()
+            started, cpu0 = time.perf_counter(), cpu_seconds()
             first = metrics.counts["processed"]
-        await asyncio.sleep(0.01)
+        await asyncio.sleep(0.005)
     elapsed = time.perf_counter() - (started or time.perf_counter())
+    cpu = cpu_seconds() - cpu0
     stop.set()
     await task
-    return elapsed, n - first
+    return elapsed, n - first, cpu
+
+
+def paced_producer(bootstrap: str, topic: str, rate: int, seconds: float, out: Connection) -> None:
+    """Child process: send ``rate * seconds`` records at a steady pace; report
+    {(partition, offset): monotonic send time} through ``out``."""
+
+    async def run() -> dict[tuple[int, int], float]:
+        producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=0)
+        await producer.start()
+        sent: dict[tuple[int, int], float] = {}
+
+        async def one(i: int) -> None:
+            key, value, headers = record(i)
+            t0 = time.perf_counter()
+            meta = await (await producer.send(topic, value, key=key, headers=headers))
+            sent[(meta.partition, meta.offset)] = t0
+
+        try:
+            total, begin, pending = int(seconds * rate), time.perf_counter(), []
+            for i in range(total):
+                delay = begin + i / rate - time.perf_counter()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                pending.append(asyncio.create_task(one(i)))
+            await asyncio.gather(*pending)
+        finally:
+            await producer.stop()
+        return sent
+
+    out.send(asyncio.run(run()))
+    out.close()
 
 
 async def latency(
-    settings: OutboxSettings, table: str, partitions: int, seconds: float, rate: int
-) -> list[float]:
+    settings: OutboxSettings, partitions: int, seconds: float, rate: int, handler: str
+) -> tuple[list[float], float]:
+    """Sorted latencies (ms) and the consumer's CPU microseconds per event."""
     bootstrap = settings.kafka_bootstrap_servers
     topic = await make_topic(bootstrap, partitions)
-    app = make_app(f"bench-lat-{uuid.uuid4().hex[:6]}", topic, table)
+    app = make_app(f"bench-lat-{uuid.uuid4().hex[:6]}", topic, handler)
     daemon = TimedDaemon(app, settings, Metrics(app.name))
     daemon.commits = []
     stop = asyncio.Event()
     task = asyncio.create_task(daemon.run(stop))
     while not (daemon._kafka and daemon._kafka.assignment()):
         await asyncio.sleep(0.05)
-    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=0)
-    await producer.start()
-    sent: dict[tuple[int, int], float] = {}
-
-    async def one(i: int) -> None:
-        key, value, headers = record(i)
-        t0 = time.perf_counter()
-        meta = await (await producer.send(topic, value, key=key, headers=headers))
-        sent[(meta.partition, meta.offset)] = t0
-
-    total = int(seconds * rate)
-    begin = time.perf_counter()
-    pending = []
-    for i in range(total):
-        delay = begin + i / rate - time.perf_counter()
-        if delay > 0:
-            await asyncio.sleep(delay)
-        pending.append(asyncio.create_task(one(i)))
-    await asyncio.gather(*pending)
-    await producer.stop()
-    while len(daemon.commits) == 0 or sum(1 for _ in sent) > _covered(daemon.commits, sent):
+    await asyncio.sleep(0.5)  # let the consumer's first fetches settle
+    ctx = multiprocessing.get_context("spawn")
+    receive, send = ctx.Pipe(duplex=False)
+    child = ctx.Process(target=paced_producer, args=(bootstrap, topic, rate, seconds, send))
+    cpu0 = cpu_seconds()
+    child.start()
+    send.close()
+    while not receive.poll():
+        if task.done():
+            await task
         await asyncio.sleep(0.05)
+    sent: dict[tuple[int, int], float] = receive.recv()
+    child.join()
+    while not _covered(daemon.commits, sent):
+        if task.done():
+            await task
+        await asyncio.sleep(0.02)
+    cpu_per_event = (cpu_seconds() - cpu0) / len(sent) * 1e6
+    print(f"  ({len(sent) / len(daemon.commits):.1f} events per database commit on average)")
     stop.set()
     await task
     # A commit at (partition, offset) finishes every record below offset not yet finished.
-    done_at: dict[tuple[int, int], float] = {}
     by_partition: dict[int, list[tuple[int, float]]] = {}
     for tp, offset, at in daemon.commits:
         by_partition.setdefault(tp.partition, []).append((offset, at))
-    for p, off in sent:
-        done_at[(p, off)] = min(at for o, at in by_partition.get(p, []) if o > off)
-    return sorted((done_at[k] - sent[k]) * 1000 for k in sent)
+    done_at: dict[tuple[int, int], float] = {}
+    for p, commits in by_partition.items():
+        # One partition's commits come in offset order: walk both lists once.
+        offsets = sorted(off for q, off in sent if q == p)
+        i = 0
+        for offset, at in commits:
+            while i < len(offsets) and offsets[i] < offset:
+                done_at[(p, offsets[i])] = at
+                i += 1
+    return sorted((done_at[k] - sent[k]) * 1000 for k in sent), cpu_per_event
 
 
 def _covered(
     commits: list[tuple[TopicPartition, int, float]], sent: dict[tuple[int, int], float]
-) -> int:
+) -> bool:
+    """Whether every sent record is below a committed offset of its partition."""
     high: dict[int, int] = {}
     for tp, offset, _ in commits:
         high[tp.partition] = max(high.get(tp.partition, 0), offset)
-    return sum(1 for (p, off) in sent if off < high.get(p, 0))
+    last: dict[int, int] = {}
+    for p, off in sent:
+        last[p] = max(last.get(p, -1), off)
+    return all(high.get(p, 0) > off for p, off in last.items())
 
 
 def pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
+def load() -> str:
+    one, five, _ = os.getloadavg()
+    return f"load average {one:.2f} (1 min) / {five:.2f} (5 min) on {os.cpu_count()} CPUs"
+
+
 async def main(args: argparse.Namespace) -> None:
-    if args.fetch_max_wait_ms is not None:
-        KAFKA_OPTIONS["fetch_max_wait_ms"] = args.fetch_max_wait_ms
     base = scratch_settings()
-    table = "bench_orders"
     engine = sync_engine(base)
     with engine.begin() as conn:
         conn.execute(
             text(
-                f"CREATE TABLE {base.db_schema}.{table} (id bigserial PRIMARY KEY, "
+                f"CREATE TABLE {base.db_schema}.{TABLE} (id bigserial PRIMARY KEY, "
                 "order_id text NOT NULL, total_cents int NOT NULL)"
             )
         )
     engine.dispose()
-    # The handler's unqualified table name resolves through search_path.
-    settings = base.model_copy(update={"database_url": base.database_url})
-    results: dict[str, Any] = {}
+    # The handlers' unqualified table name resolves through search_path.
+    url = base.sqlalchemy_url.update_query_dict({"options": f"-csearch_path={base.db_schema}"})
+    settings = base.model_copy(
+        update={"database_url": type(base.database_url)(url.render_as_string(False))}
+    )
+    results: dict[str, float] = {}
     try:
-        from sqlalchemy import event as sa_event  # noqa: F401  (search_path via options)
-
-        url = settings.sqlalchemy_url.update_query_dict(
-            {"options": f"-csearch_path={settings.db_schema}"}
-        )
-        settings = settings.model_copy(
-            update={"database_url": type(settings.database_url)(url.render_as_string(False))}
-        )
         bootstrap = settings.kafka_bootstrap_servers
-        for mode, n in (("batch", args.events), ("event", args.events_per_event_mode)):
+        print(f"consumer bench: {args.partitions} partitions, payload ~300 B; {load()}")
+        runs = [
+            ("batch", "orm", args.events),
+            ("batch", "execute", args.events),
+            ("event", "orm", args.events_per_event_mode),
+        ]
+        for mode, handler, n in runs:
             s = settings.model_copy(update={"consumer": ConsumerSettings(transaction_per=mode)})
             topic = await make_topic(bootstrap, args.partitions)
             await produce_all(bootstrap, topic, n)
-            elapsed, counted = await drain(s, topic, table, n)
-            results[mode] = counted / elapsed
+            elapsed, counted, cpu = await drain(s, topic, n, handler)
+            results[f"{mode}/{handler}"] = counted / elapsed
             print(
-                f"throughput, one transaction per {mode:5}: {counted / elapsed:9,.0f} events/s "
-                f"({counted:,} events in {elapsed:.2f} s, {args.partitions} partitions)"
+                f"throughput, one transaction per {mode:5}, handler {handler:7}: "
+                f"{counted / elapsed:9,.0f} events/s ({counted:,} events in {elapsed:.2f} s, "
+                f"consumer CPU {cpu / counted * 1e6:.0f} us/event)"
             )
-        print(f"batch / per-event ratio: {results['batch'] / results['event']:.1f}x")
-        lat = await latency(settings, table, args.partitions, args.latency_seconds, args.rate)
         print(
-            f"latency at {args.rate}/s for {args.latency_seconds:.0f} s "
-            f"(Kafka produce -> handler DB commit, {len(lat):,} events): "
-            f"p50 {pct(lat, 0.5):.1f} ms, p99 {pct(lat, 0.99):.1f} ms, "
-            f"max {lat[-1]:.1f} ms, mean {statistics.fmean(lat):.1f} ms"
+            "batch / per-event ratio (orm handler): "
+            f"{results['batch/orm'] / results['event/orm']:.1f}x"
         )
+        lat, cpu_us = await latency(
+            settings, args.partitions, args.latency_seconds, args.rate, args.latency_handler
+        )
+        print(
+            f"latency at {args.rate}/s for {args.latency_seconds:.0f} s, handler "
+            f"{args.latency_handler} (Kafka produce -> handler DB commit, {len(lat):,} events, "
+            f"producer in its own process): p50 {pct(lat, 0.5):.1f} ms, "
+            f"p99 {pct(lat, 0.99):.1f} ms, max {lat[-1]:.1f} ms, "
+            f"mean {statistics.fmean(lat):.1f} ms; consumer CPU {cpu_us:.0f} us/event"
+        )
+        print(f"after the runs: {load()}")
     finally:
         drop_schema(base)
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--events", type=int, default=40_000)
     parser.add_argument("--events-per-event-mode", type=int, default=5_000)
     parser.add_argument("--partitions", type=int, default=8)
     parser.add_argument("--latency-seconds", type=float, default=15)
     parser.add_argument("--rate", type=int, default=1_000)
-    parser.add_argument("--fetch-max-wait-ms", type=int, default=None)
+    parser.add_argument("--latency-handler", choices=["orm", "execute"], default="orm")
     asyncio.run(main(parser.parse_args()))

@@ -36,6 +36,9 @@ class Metrics:
             "skipped": 0,
         }
 
+        # Label lookups take a lock and a dict probe; the hot path uses the children.
+        self._handler_seconds = self._latency.labels(self.consumer)
+
     def _inc(self, name: str, counter: Counter, n: int) -> None:
         if n:
             counter.labels(self.consumer).inc(n)
@@ -57,4 +60,4 @@ class Metrics:
         self._inc("skipped", self._skipped, n)
 
     def handler_seconds(self, seconds: float) -> None:
-        self._latency.labels(self.consumer).observe(seconds)
+        self._handler_seconds.observe(seconds)

@@ -1,10 +1,27 @@
 """Handling the records of one partition, in offset order, effectively once.
 
-A *run* is a contiguous slice of a partition's records. Before its handlers start, the run
-writes the partition's attempt marker ("run [start, end] started") in its own small
-transaction; the run's final commit resets it. So a marker still set when the same offsets
-come back means the previous run never finished — the process died inside a handler, or
-was killed. That is how attempts are counted durably without one extra commit per event.
+A *run* is a contiguous slice of a partition's records handled in one transaction (up to
+``max_batch_records`` of them, or one in ``transaction_per="event"`` mode). Before any of
+its handlers starts, the partition's durable attempt marker must say "run [first, last]
+started" (attempts > 0), committed; the run's own commit moves the marker on. So a marker
+still armed when the same offsets come back means the run never finished — the process
+died inside a handler, or was killed. That is how attempts are counted durably without one
+extra commit per event.
+
+Keeping that marker costs almost nothing on the hot path:
+
+* It is read once per partition assignment and then cached: while this process owns the
+  partition, only this process writes it, and every write goes through this class, which
+  updates the cache after the write committed (and forgets the cache when an error leaves
+  the database state unknown).
+* A run's commit arms the marker for the *next* run already in hand (same transaction, no
+  extra commit), so back-to-back runs never write the marker on their own. Only a run that
+  was not armed ahead (the first after a pause in the stream) commits the marker alone
+  first, in one autocommit statement. The window between "marker says started" and the
+  first handler is then the same as with a write right before the run: a few lines of
+  Python, never a wait. A run armed ahead that does not start after all (stop, rebalance)
+  is disarmed before the processor lets go of the partition, so the next owner does not
+  mistake it for a crash.
 
 Fast path: one transaction per run: all inbox rows claimed in one statement, handlers run
 one after another, one commit. If anything raises, the transaction is rolled back and the
@@ -21,24 +38,28 @@ used up, dead-lettered without running again.
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
-from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
 from inbox import failures
 from inbox.app import Consumer, Handler
 from inbox.event import InboxEvent
 from inbox.failures import Failure
 from inbox.metrics import Metrics
-from inbox.store import DEAD_LETTERED, InboxStore, Marker
+from inbox.store import DEAD_LETTERED, InboxStore, Marker, MarkerWrite
 from outbox.retry import RetryPolicy
 from outbox.settings import ConsumerSettings
 
 log = logging.getLogger("outbox.inbox")
+
+# (after_offset, limit) -> up to ``limit`` queued records with a higher offset, in order.
+Queued = Callable[[int, int], Sequence[InboxEvent]]
 
 
 class DeadLetterSink(Protocol):
@@ -47,6 +68,24 @@ class DeadLetterSink(Protocol):
     ) -> tuple[int, int]:
         """Produce one record and wait for the broker's ack; return (partition, offset)."""
         ...
+
+
+class _Keep(enum.Enum):
+    """Leave the attempt marker as it is (records known to be finished already)."""
+
+    KEEP = 0
+
+
+KEEP = _Keep.KEEP
+# What a run's commit does to the marker: arm it for the next run, disarm it (None), or KEEP.
+AtCommit = Marker | None | _Keep
+
+
+class _Unread(enum.Enum):
+    UNREAD = 0
+
+
+UNREAD = _Unread.UNREAD
 
 
 class _Stop(Exception):
@@ -74,6 +113,9 @@ class PartitionProcessor:
     config: ConsumerSettings
     store: InboxStore
     sessions: async_sessionmaker[AsyncSession]
+    # The same database in autocommit mode: one statement = one durable commit, one round
+    # trip (the marker writes that must commit before handlers run).
+    autocommit: AsyncEngine
     sink: DeadLetterSink
     policy: RetryPolicy
     metrics: Metrics
@@ -82,6 +124,12 @@ class PartitionProcessor:
     stopping: asyncio.Event = field(default_factory=asyncio.Event)
     # Called after each database commit with the next offset to consume.
     on_progress: Callable[[int], Awaitable[None]] | None = None
+    # The durable marker as last read or committed by this process (see module docstring).
+    _marker: Marker | _Unread | None = field(default=UNREAD, init=False)
+    # (first, last) when the durable marker is armed (attempts 1) for a run this process
+    # has not started yet, or started without it killing the process: such a marker is
+    # ours, not evidence of a crash.
+    _ready: tuple[int, int] | None = field(default=None, init=False)
 
     @property
     def consumer(self) -> str:
@@ -89,35 +137,61 @@ class PartitionProcessor:
 
     # ------------------------------------------------------------------ driver
 
-    async def process(self, events: Sequence[InboxEvent]) -> int:
-        """Handle ``events`` (consecutive, one partition); return how many were finished.
+    async def process(self, queued: Queued) -> int:
+        """Handle queued records in runs until none is left (or ``4 * max_batch_records``
+        were finished, to let other partitions have the slot); return how many finished.
 
         Stops early (between runs, or during a retry's backoff) when ``stopping`` is set;
         the caller re-reads the rest from Kafka.
         """
-        done = 0
-        while done < len(events) and not self.stopping.is_set():
-            run = events[done:]
-            async with self.sessions() as session, session.begin():
-                prev = await self.store.marker(session, self.consumer, self.topic, self.partition)
-            first, last = run[0].offset, run[-1].offset
-            if prev is not None and prev.attempts > 0 and first <= prev.start_offset <= last:
-                if prev.start_offset > first:
-                    # Records before the unfinished run were finished before it started.
-                    ahead = [e for e in run if e.offset < prev.start_offset]
-                    done += await self._batch(ahead, mark=False)
-                    continue
-                # The previous run over these offsets never finished: it may have killed
-                # the process. Handle its records one at a time.
-                n = await self._recover(run, prev)
-            elif prev is not None and prev.attempts > 0 and prev.start_offset > last:
-                n = await self._batch(run, mark=False)  # all before the unfinished run
-            else:
-                n = await self._batch(run, mark=True)
-            if n == 0:
-                break
-            done += n
-        return done
+        size = 1 if self.config.transaction_per == "event" else self.config.max_batch_records
+        budget = 4 * self.config.max_batch_records
+        try:
+            if self._marker is UNREAD:
+                self._marker = await self._read_marker()
+                self._ready = None
+            done = 0
+            run = queued(-1, size)
+            while run and done < budget and not self.stopping.is_set():
+                following: Sequence[InboxEvent] = ()
+                if done + len(run) < budget:
+                    following = queued(run[-1].offset, size)
+                n = await self._step(run, following)
+                if n == 0:
+                    break
+                done += n
+                if n == len(run) and following and self._ready == _span(following):
+                    run = following  # exactly the run the marker was armed for
+                else:
+                    run = queued(run[n - 1].offset, size)
+            if self._ready is not None:
+                # Armed for a run that will not start now (stopping): disarm, or the next
+                # owner would take it for a crash and handle it in careful mode.
+                await self._finish_alone()
+            return done
+        except BaseException:
+            # A failed or cancelled commit leaves the marker's durable state unknown.
+            self._marker, self._ready = UNREAD, None
+            raise
+
+    async def _step(self, run: Sequence[InboxEvent], following: Sequence[InboxEvent]) -> int:
+        if self._ready is not None:
+            # The marker is ours: skip writing it if it already covers exactly this run.
+            return await self._batch(run, following, marked=self._ready == _span(run))
+        prev = self._marker
+        assert not isinstance(prev, _Unread)
+        if prev is not None and prev.attempts > 0:
+            first = run[0].offset
+            if first < prev.start_offset:
+                # Records before the unfinished run were finished before it started (they
+                # are inbox duplicates now); the marker is left for the run itself.
+                ahead = [e for e in run if e.offset < prev.start_offset]
+                return await self._batch(ahead, (), marked=True, keep=True)
+            if first == prev.start_offset:
+                # The run over these offsets never finished: it may have killed the
+                # process. Handle its records one at a time.
+                return await self._recover(run, prev)
+        return await self._batch(run, following, marked=False)
 
     async def _recover(self, run: Sequence[InboxEvent], prev: Marker) -> int:
         crashed = [e for e in run if e.offset <= prev.end_offset]
@@ -134,44 +208,84 @@ class PartitionProcessor:
             done += 1
         return done
 
-    # -------------------------------------------------------------- batch paths
+    # ------------------------------------------------------------ the marker
 
-    async def _mark(self, marker: Marker) -> None:
-        async with self.sessions() as session, session.begin():
-            await self.store.set_marker(session, self.consumer, self.topic, self.partition, marker)
+    async def _read_marker(self) -> Marker | None:
+        async with self.autocommit.connect() as conn:
+            return await self.store.marker(conn, self.consumer, self.topic, self.partition)
+
+    async def _mark(self, marker: Marker, *, ready: bool = False) -> None:
+        """Commit ``marker`` on its own, before the handlers it guards run."""
+        async with self.autocommit.connect() as conn:
+            await self.store.set_marker(conn, self.consumer, self.topic, self.partition, marker)
+        self._marker = marker
+        self._ready = (marker.start_offset, marker.end_offset) if ready else None
+
+    async def _finish_alone(self) -> None:
+        async with self.autocommit.connect() as conn:
+            await self.store.finish_marker(conn, self.consumer, self.topic, self.partition)
+        self._finished()
+
+    async def _write_at_commit(self, session: AsyncSession, at_commit: AtCommit) -> None:
+        """Add the marker change ``at_commit`` to the run's transaction."""
+        if at_commit is None:
+            await self.store.finish_marker(session, self.consumer, self.topic, self.partition)
+        elif not isinstance(at_commit, _Keep):
+            await self.store.set_marker(
+                session, self.consumer, self.topic, self.partition, at_commit
+            )
+
+    def _committed(self, at_commit: AtCommit) -> None:
+        """Mirror a committed ``at_commit`` in the cache."""
+        if at_commit is None:
+            self._finished()
+        elif not isinstance(at_commit, _Keep):
+            self._marker = at_commit
+            self._ready = _span_of(at_commit)
+
+    def _finished(self) -> None:
+        if isinstance(self._marker, Marker):
+            self._marker = replace(self._marker, attempts=0, last_error=None)
+        self._ready = None
+
+    # -------------------------------------------------------------- batch paths
 
     async def _progress(self, event: InboxEvent) -> None:
         if self.on_progress is not None:
             await self.on_progress(event.offset + 1)
 
-    async def _batch(self, run: Sequence[InboxEvent], *, mark: bool) -> int:
-        """Handle a run in batch mode; return how many records were finished."""
-        if mark:
-            await self._mark(Marker(run[0].offset, run[-1].offset, 1, None))
-        if self.config.transaction_per == "event":
-            chunks = [run[i : i + 1] for i in range(len(run))]
-        else:
-            chunks = [run]
-        done = 0
-        for n, chunk in enumerate(chunks):
-            finish = n == len(chunks) - 1
-            result = await self._chunk(chunk, finish_marker=finish)
-            if isinstance(result, _RetryAlone):
-                done += result.index
-                if not await self._alone(chunk[result.index], 1, result.failure):
-                    return done
-                return done + 1
-            done += result
-            if n < len(chunks) - 1 and self.stopping.is_set():
-                break
-        return done
+    async def _batch(
+        self,
+        run: Sequence[InboxEvent],
+        following: Sequence[InboxEvent],
+        *,
+        marked: bool,
+        keep: bool = False,
+    ) -> int:
+        """Handle a run in one transaction; return how many records were finished.
 
-    async def _chunk(
-        self, chunk: Sequence[InboxEvent], *, finish_marker: bool
-    ) -> int | _RetryAlone:
+        ``marked``: the durable marker already covers this run (else it is committed
+        first). The run's commit arms the marker for ``following`` (the next run), or
+        disarms it when there is none — or leaves it alone (``keep``).
+        """
+        if not marked:
+            await self._mark(Marker(run[0].offset, run[-1].offset, 1, None), ready=True)
+        at_commit: AtCommit = None
+        if keep:
+            at_commit = KEEP
+        elif following:
+            at_commit = Marker(following[0].offset, following[-1].offset, 1, None)
+        result = await self._chunk(run, at_commit)
+        if isinstance(result, _RetryAlone):
+            if not await self._alone(run[result.index], 1, result.failure):
+                return result.index
+            return result.index + 1
+        return result
+
+    async def _chunk(self, chunk: Sequence[InboxEvent], at_commit: AtCommit) -> int | _RetryAlone:
         if not any(self._needs_policy(e) for e in chunk):
             try:
-                return await self._fast(chunk, finish_marker)
+                return await self._fast(chunk, at_commit)
             except _Stop as stop:
                 if stop.index is not None:
                     # That run was the failing event's first attempt. Commit the events
@@ -183,10 +297,10 @@ class PartitionProcessor:
                         if done < stop.index:
                             return done
                     return _RetryAlone(stop.index, failure)
-        return await self._savepointed(chunk, finish_marker)
+        return await self._savepointed(chunk, at_commit)
 
     async def _prefix(self, chunk: Sequence[InboxEvent]) -> int:
-        result = await self._chunk(chunk, finish_marker=False)
+        result = await self._chunk(chunk, KEEP)
         if isinstance(result, _RetryAlone):
             # Cannot happen with deterministic handlers; treat as a fresh failure there.
             if not await self._alone(chunk[result.index], 1, result.failure):
@@ -215,36 +329,43 @@ class PartitionProcessor:
         finally:
             self.metrics.handler_seconds(time.perf_counter() - started)
 
-    async def _fast(self, chunk: Sequence[InboxEvent], finish_marker: bool) -> int:
+    async def _fast(self, chunk: Sequence[InboxEvent], at_commit: AtCommit) -> int:
         """One transaction, no savepoints. Raises _Stop if anything failed (rolled back)."""
         # The same event twice in one fetch: only the first copy is claimed.
         unique: dict[str, InboxEvent] = {}
         for event in chunk:
             unique.setdefault(event.event_id, event)
         index: int | None = None
+        marker = None
+        if not isinstance(at_commit, _Keep):
+            marker = MarkerWrite(self.topic, self.partition, at_commit)
         try:
             async with self.sessions() as session, session.begin():
-                fresh = await self.store.claim(session, self.consumer, list(unique.values()))
+                # The marker change rides on the claim statement: same transaction, so it
+                # commits with the run or not at all, without a round trip of its own.
+                fresh = await self.store.claim(
+                    await session.connection(),
+                    self.consumer,
+                    list(unique.values()),
+                    marker=marker,
+                )
                 for i, event in enumerate(chunk):
                     if event.event_id in fresh and unique[event.event_id] is event:
                         index = i
                         await self._run_handler(event, session)
                 index = None
-                if finish_marker:
-                    await self.store.finish_marker(
-                        session, self.consumer, self.topic, self.partition
-                    )
                 await session.flush()  # handler writes fail here, not inside commit
         except Exception as exc:
             log.debug("batch transaction failed", extra={"error": type(exc).__name__})
             raise _Stop(index, exc) from exc
+        self._committed(at_commit)
         self.metrics.processed(len(fresh))
         self.metrics.duplicates(len(chunk) - len(fresh))
         await self._progress(chunk[-1])
         return len(chunk)
 
     async def _savepointed(
-        self, chunk: Sequence[InboxEvent], finish_marker: bool
+        self, chunk: Sequence[InboxEvent], at_commit: AtCommit
     ) -> int | _RetryAlone:
         processed = duplicates = dead = skipped = 0
         stop: _RetryAlone | None = None
@@ -273,8 +394,10 @@ class PartitionProcessor:
                         break
                     if await self._dead_letter(session, event, failure, attempts=1):
                         dead += 1
-            if stop is None and finish_marker:
-                await self.store.finish_marker(session, self.consumer, self.topic, self.partition)
+            if stop is None:
+                await self._write_at_commit(session, at_commit)
+        if stop is None:
+            self._committed(at_commit)
         self._count(processed, duplicates, dead, skipped)
         if stop is not None:
             if stop.index:
@@ -303,6 +426,7 @@ class PartitionProcessor:
             async with self.sessions() as session, session.begin():
                 dead = await self._apply_policy(session, event)
                 await self.store.finish_marker(session, self.consumer, self.topic, self.partition)
+            self._finished()
             self._count(0, 0, int(dead), int(not dead))
             await self._progress(event)
             return True
@@ -334,6 +458,7 @@ class PartitionProcessor:
                     await self.store.finish_marker(
                         session, self.consumer, self.topic, self.partition
                     )
+                self._finished()
             except Exception as exc:
                 failure = failures.classify(exc, self.config.error_message_chars)
                 log.info(
@@ -368,6 +493,7 @@ class PartitionProcessor:
         async with self.sessions() as session, session.begin():
             dead = await self._dead_letter(session, event, failure, attempts)
             await self.store.finish_marker(session, self.consumer, self.topic, self.partition)
+        self._finished()
         self._count(0, int(not dead), int(dead), 0)
         await self._progress(event)
 
@@ -440,3 +566,11 @@ class PartitionProcessor:
             },
         )
         return True
+
+
+def _span(run: Sequence[InboxEvent]) -> tuple[int, int]:
+    return run[0].offset, run[-1].offset
+
+
+def _span_of(marker: Marker) -> tuple[int, int]:
+    return marker.start_offset, marker.end_offset

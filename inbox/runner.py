@@ -13,6 +13,7 @@ offset and the inbox dedupes the rest.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
 import logging
 import time
@@ -27,7 +28,7 @@ from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
 from inbox.app import Consumer
-from inbox.event import decode
+from inbox.event import InboxEvent, decode
 from inbox.kafka import KafkaSink, dlq_producer, ensure_topics
 from inbox.metrics import Metrics
 from inbox.processor import PartitionProcessor
@@ -93,10 +94,17 @@ class ConsumerDaemon:
         """Consume until ``stop`` is set; then finish in-flight batches, commit, leave."""
         config = self.settings.consumer
         await ensure_topics(self.settings, self.app.topics)
+        # No pre-ping: it costs a round trip per transaction. A connection that died in the
+        # pool fails the run's first statement instead; that is an infrastructure error
+        # (the run is retried, no attempt charged) and the pool then replaces it.
         self._engine = async_engine(
-            self.settings, pool_size=config.max_concurrent_partitions + 2, max_overflow=4
+            self.settings,
+            pool_size=config.max_concurrent_partitions + 2,
+            max_overflow=4,
+            pool_pre_ping=False,
         )
         sessions = async_sessionmaker(self._engine, expire_on_commit=False)
+        self._autocommit = self._engine.execution_options(isolation_level="AUTOCOMMIT")
         producer = dlq_producer(self.settings)
         options: dict[str, Any] = {
             "auto_offset_reset": "earliest",
@@ -168,6 +176,7 @@ class ConsumerDaemon:
                 config=self.settings.consumer,
                 store=self._store,
                 sessions=sessions,
+                autocommit=self._autocommit,
                 sink=sink,
                 policy=self._policy,
                 metrics=self.metrics,
@@ -209,23 +218,33 @@ class ConsumerDaemon:
         }
         for tp in picked:
             del self._pending_offsets[tp]
-        for tp, offset in picked.items():
-            await self._commit(tp, offset)
+        if picked:
+            await self._commit(picked)
 
-    async def _commit(self, tp: TopicPartition, offset: int) -> None:
+    async def _commit(self, offsets: dict[TopicPartition, int]) -> None:
+        """One commit request for every partition that moved; per partition only when the
+        group refused it (a partition moved away must not block the others' offsets)."""
         assert self._kafka is not None
         try:
-            await self._kafka.commit({tp: offset})
+            await self._kafka.commit(offsets)
+            return
         except (CommitFailedError, IllegalStateError) as exc:
-            # The partition moved to another member; it re-reads from the last committed
-            # offset and the inbox skips what this member already applied.
-            log.warning(
-                "offset commit refused", extra={"partition": str(tp), "error": type(exc).__name__}
-            )
+            if len(offsets) == 1:
+                # The partition moved to another member; it re-reads from the last
+                # committed offset and the inbox skips what this member already applied.
+                log.warning(
+                    "offset commit refused",
+                    extra={"partitions": sorted(map(str, offsets)), "error": type(exc).__name__},
+                )
+                return
         except KafkaError as exc:
             log.warning(
-                "offset commit failed", extra={"partition": str(tp), "error": type(exc).__name__}
+                "offset commit failed",
+                extra={"partitions": sorted(map(str, offsets)), "error": type(exc).__name__},
             )
+            return
+        for tp, offset in offsets.items():
+            await self._commit({tp: offset})
 
     async def release(self, tps: Sequence[TopicPartition]) -> None:
         """Stop the given partitions after their current run, wait, and commit their offsets.
@@ -250,21 +269,27 @@ class _Lane:
     daemon: ConsumerDaemon
     tp: TopicPartition
     processor: PartitionProcessor
-    records: list[ConsumerRecord[bytes, bytes]] = field(default_factory=list)
+    events: list[InboxEvent] = field(default_factory=list)  # fetched, not finished
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     task: asyncio.Task[None] | None = None
     position: int = -1
     paused: bool = False
 
     def feed(self, records: list[ConsumerRecord[bytes, bytes]]) -> None:
-        self.records.extend(records)
+        self.events.extend(map(decode, records))
         self.wake.set()
         # Backpressure: stop fetching this partition while it is far behind.
         limit = self.daemon.settings.consumer.max_batch_records * 4
-        if len(self.records) >= limit and not self.paused:
+        if len(self.events) >= limit and not self.paused:
             assert self.daemon._kafka is not None
             self.daemon._kafka.pause(self.tp)
             self.paused = True
+
+    def queued(self, after: int, limit: int) -> list[InboxEvent]:
+        """Up to ``limit`` fetched events with an offset above ``after`` (the processor
+        reads ahead to arm its next run while the current one is handled)."""
+        start = bisect.bisect_right(self.events, after, key=_offset)
+        return self.events[start : start + limit]
 
     async def progress(self, offset: int) -> None:
         self.position = offset
@@ -275,16 +300,15 @@ class _Lane:
         stopping = self.processor.stopping
         failures = 0
         while not stopping.is_set():
-            if not self.records:
+            if not self.events:
                 self.wake.clear()
                 await self.wake.wait()
                 continue
-            batch = self.records[: config.max_batch_records]
             async with self.daemon._slots:
                 if stopping.is_set():
                     break
                 try:
-                    await self.processor.process([decode(r) for r in batch])
+                    await self.processor.process(self.queued)
                     failures = 0
                 except Exception as exc:
                     if not _transient(exc):
@@ -302,9 +326,13 @@ class _Lane:
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(stopping.wait(), delay)
             # Drop what is finished; the rest (a stop or an error) is tried again.
-            self.records = [r for r in self.records if r.offset >= self.position]
-            if self.paused and len(self.records) < config.max_batch_records:
+            del self.events[: bisect.bisect_left(self.events, self.position, key=_offset)]
+            if self.paused and len(self.events) < config.max_batch_records:
                 self.paused = False
                 with contextlib.suppress(IllegalStateError):
                     assert self.daemon._kafka is not None
                     self.daemon._kafka.resume(self.tp)
+
+
+def _offset(event: InboxEvent) -> int:
+    return event.offset

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import datetime as dt
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from sqlalchemy import (
@@ -20,7 +20,6 @@ from sqlalchemy import (
     column,
     delete,
     func,
-    literal,
     literal_column,
     or_,
     select,
@@ -50,6 +49,15 @@ class Marker:
     end_offset: int
     attempts: int
     last_error: str | None
+
+
+@dataclass(frozen=True)
+class MarkerWrite:
+    """A change of one partition's attempt marker: set ``marker``, or disarm it (None)."""
+
+    topic: str
+    partition: int
+    marker: Marker | None
 
 
 @dataclass(frozen=True)
@@ -88,28 +96,35 @@ class DeadLetterFilter:
 @dataclass(frozen=True)
 class InboxStore:
     tables: Tables
+    _claim: Any = field(init=False, repr=False, compare=False)
+    _claim_arm: Any = field(init=False, repr=False, compare=False)
+    _claim_finish: Any = field(init=False, repr=False, compare=False)
+    _get_marker: Any = field(init=False, repr=False, compare=False)
+    _set_marker: Any = field(init=False, repr=False, compare=False)
+    _finish_marker: Any = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        # The hot statements are built once: SQLAlchemy then reuses their compiled form
+        # (memoized cache key), instead of rebuilding and re-keying them per batch.
+        for name, stmt in (
+            ("_claim", self._claim_statement()),
+            (
+                "_claim_arm",
+                self._claim_statement().add_cte(self._set_marker_statement().cte("marker")),
+            ),
+            (
+                "_claim_finish",
+                self._claim_statement().add_cte(self._finish_marker_statement().cte("marker")),
+            ),
+            ("_get_marker", self._get_marker_statement()),
+            ("_set_marker", self._set_marker_statement()),
+            ("_finish_marker", self._finish_marker_statement()),
+        ):
+            object.__setattr__(self, name, stmt)
 
     # ------------------------------------------------------------------ inbox rows
 
-    async def claim(
-        self,
-        db: Executor,
-        consumer: str,
-        events: Sequence[InboxEvent],
-        *,
-        status: str = PROCESSED,
-        attempts: int = 1,
-        last_error: str | None = None,
-    ) -> set[str]:
-        """Insert inbox rows; return the event ids that were new (the others are duplicates).
-
-        One statement for any number of events (unnest). A row left ``replaying`` by
-        ``outbox dlq replay`` counts as new exactly once: the conditional DO UPDATE flips
-        it, so a second copy of the replayed record is a duplicate again. Callers pass
-        distinct event ids (DO UPDATE may not touch one row twice in a statement).
-        """
-        if not events:
-            return set()
+    def _claim_statement(self) -> Any:
         inbox = self.tables.inbox
         src = (
             func.unnest(
@@ -129,15 +144,15 @@ class InboxStore:
             .render_derived(name="m")
         )
         rows = select(
-            literal(consumer, Text),
+            bindparam("p_consumer", type_=Text),
             src.c.event_id,
             src.c.topic,
             src.c.partition,
             src.c.offset,
             src.c.event_type,
-            literal(status, Text),
-            literal(attempts, Integer),
-            literal(last_error, Text),
+            bindparam("p_status", type_=Text),
+            bindparam("p_attempts", type_=Integer),
+            bindparam("p_last_error", type_=Text),
             func.now(),
         )
         stmt = insert(inbox).from_select(
@@ -155,7 +170,7 @@ class InboxStore:
             ],
             rows,
         )
-        claim = stmt.on_conflict_do_update(
+        return stmt.on_conflict_do_update(
             index_elements=["consumer", "event_id"],
             set_={
                 name: stmt.excluded[name]
@@ -171,9 +186,47 @@ class InboxStore:
             },
             where=inbox.c.status == REPLAYING,
         ).returning(inbox.c.event_id)
+
+    async def claim(
+        self,
+        db: Executor,
+        consumer: str,
+        events: Sequence[InboxEvent],
+        *,
+        status: str = PROCESSED,
+        attempts: int = 1,
+        last_error: str | None = None,
+        marker: MarkerWrite | None = None,
+    ) -> set[str]:
+        """Insert inbox rows; return the event ids that were new (the others are duplicates).
+
+        One statement for any number of events (unnest: one array per column, so the
+        statement text and its server-side prepared plan are the same for any batch size).
+        A row left ``replaying`` by ``outbox dlq replay`` counts as new exactly once: the
+        conditional DO UPDATE flips it, so a second copy of the replayed record is a
+        duplicate again. Callers pass distinct event ids (DO UPDATE may not touch one row
+        twice in a statement).
+
+        ``marker``: also write the partition's attempt marker, in the same statement (a
+        data-modifying CTE), so that it commits with these rows and costs no round trip.
+        """
+        if not events:
+            return set()
+        stmt, params = self._claim, {}
+        if marker is not None:
+            key = {"m_consumer": consumer, "m_topic": marker.topic, "m_partition": marker.partition}
+            if marker.marker is None:
+                stmt, params = self._claim_finish, key
+            else:
+                stmt, params = self._claim_arm, key | self._marker_values(marker.marker)
         result = await db.execute(
-            claim,
-            {
+            stmt,
+            params
+            | {
+                "p_consumer": consumer,
+                "p_status": status,
+                "p_attempts": attempts,
+                "p_last_error": last_error,
                 "ids": [e.event_id for e in events],
                 "topics": [e.topic for e in events],
                 "partitions": [e.partition for e in events],
@@ -212,49 +265,69 @@ class InboxStore:
 
     # -------------------------------------------------------------- attempt marker
 
-    def _marker_key(self, consumer: str, topic: str, partition: int) -> Any:
+    def _marker_key(self) -> Any:
         t = self.tables.inbox_attempts
-        return and_(t.c.consumer == consumer, t.c.topic == topic, t.c.partition == partition)
+        return and_(
+            t.c.consumer == bindparam("m_consumer"),
+            t.c.topic == bindparam("m_topic"),
+            t.c.partition == bindparam("m_partition"),
+        )
+
+    def _get_marker_statement(self) -> Any:
+        t = self.tables.inbox_attempts
+        return select(t.c.start_offset, t.c.end_offset, t.c.attempts, t.c.last_error).where(
+            self._marker_key()
+        )
+
+    def _set_marker_statement(self) -> Any:
+        t = self.tables.inbox_attempts
+        values: dict[str, Any] = {
+            "start_offset": bindparam("m_start_offset", type_=BigInteger),
+            "end_offset": bindparam("m_end_offset", type_=BigInteger),
+            "attempts": bindparam("m_attempts", type_=Integer),
+            "last_error": bindparam("m_last_error", type_=Text),
+            "updated_at": func.now(),
+        }
+        keys: dict[str, Any] = {n: bindparam(f"m_{n}") for n in ("consumer", "topic", "partition")}
+        stmt = insert(t).values(**keys, **values)
+        return stmt.on_conflict_do_update(
+            index_elements=["consumer", "topic", "partition"], set_=values
+        )
+
+    def _finish_marker_statement(self) -> Any:
+        t = self.tables.inbox_attempts
+        return (
+            update(t)
+            .where(self._marker_key(), t.c.attempts != 0)
+            .values(attempts=0, last_error=None, updated_at=func.now())
+        )
 
     async def marker(
         self, db: Executor, consumer: str, topic: str, partition: int
     ) -> Marker | None:
-        t = self.tables.inbox_attempts
-        row = (
-            await db.execute(
-                select(t.c.start_offset, t.c.end_offset, t.c.attempts, t.c.last_error).where(
-                    self._marker_key(consumer, topic, partition)
-                )
-            )
-        ).one_or_none()
+        key = {"m_consumer": consumer, "m_topic": topic, "m_partition": partition}
+        row = (await db.execute(self._get_marker, key)).one_or_none()
         return Marker(*row) if row is not None else None
 
     async def set_marker(
         self, db: Executor, consumer: str, topic: str, partition: int, marker: Marker
     ) -> None:
-        t = self.tables.inbox_attempts
-        values = {
-            "start_offset": marker.start_offset,
-            "end_offset": marker.end_offset,
-            "attempts": marker.attempts,
-            "last_error": marker.last_error,
-            "updated_at": func.now(),
+        key = {"m_consumer": consumer, "m_topic": topic, "m_partition": partition}
+        await db.execute(self._set_marker, key | self._marker_values(marker))
+
+    @staticmethod
+    def _marker_values(marker: Marker) -> dict[str, Any]:
+        return {
+            "m_start_offset": marker.start_offset,
+            "m_end_offset": marker.end_offset,
+            "m_attempts": marker.attempts,
+            "m_last_error": marker.last_error,
         }
-        stmt = insert(t).values(consumer=consumer, topic=topic, partition=partition, **values)
-        await db.execute(
-            stmt.on_conflict_do_update(
-                index_elements=["consumer", "topic", "partition"], set_=values
-            )
-        )
 
     async def finish_marker(self, db: Executor, consumer: str, topic: str, partition: int) -> None:
         """Mark the partition's run finished (in the run's own commit)."""
-        t = self.tables.inbox_attempts
-        await db.execute(
-            update(t)
-            .where(self._marker_key(consumer, topic, partition), t.c.attempts != 0)
-            .values(attempts=0, last_error=None, updated_at=func.now())
-        )
+        key = {"m_consumer": consumer, "m_topic": topic, "m_partition": partition}
+        await db.execute(self._finish_marker, key)
 
     # ---------------------------------------------------------------- dead letters
 

@@ -49,12 +49,26 @@ async def _wait_exit(proc: subprocess.Popen[bytes], within: float = 60) -> int:
     return proc.returncode
 
 
+# The crashing record sits in the first run (its marker committed on its own), or in a
+# later run whose marker the previous run's commit armed ahead (small batches, and one
+# transaction per event).
+@pytest.mark.parametrize(
+    ("consumer_env", "crash_at"),
+    [
+        ({}, 2),
+        ({"OUTBOX_CONSUMER__MAX_BATCH_RECORDS": "2"}, 3),
+        ({"OUTBOX_CONSUMER__TRANSACTION_PER": "event"}, 3),
+    ],
+    ids=["first-run", "armed-ahead-batch", "armed-ahead-event"],
+)
 async def test_handler_calling_os_exit_is_dead_lettered_after_n_runs(
     settings: OutboxSettings,
     engine: Engine,
     new_topic: NewTopic,
     kafka_bootstrap: str,
     tmp_path: Path,
+    consumer_env: dict[str, str],
+    crash_at: int,
 ) -> None:
     topic = await new_topic()
     table = effects_table(engine)
@@ -67,8 +81,13 @@ async def test_handler_calling_os_exit_is_dead_lettered_after_n_runs(
         INBOX_TEST_EFFECTS=table,
         INBOX_TEST_RUNS_FILE=str(runs),
         INBOX_TEST_MAX_ATTEMPTS="3",
+        **consumer_env,
     )
-    await produce(kafka_bootstrap, topic, [rec(1), rec(2, crash=True), rec(3), rec(4)])
+    await produce(
+        kafka_bootstrap,
+        topic,
+        [rec(i, crash=True) if i == crash_at else rec(i) for i in (1, 2, 3, 4)],
+    )
     exits = []
     for _ in range(6):  # a supervisor restarting the crashed consumer
         proc = outbox_cli(["consume", TARGET], env)
@@ -91,7 +110,7 @@ async def test_handler_calling_os_exit_is_dead_lettered_after_n_runs(
     [dead] = await read_all(kafka_bootstrap, topic + ".dlq", expect=1)
     assert dead.headers["dlq_error_class"] == b"ProcessCrashed"
     assert dead.headers["dlq_attempts"] == b"3"
-    assert json.loads(dead.value)["seq"] == 2
+    assert json.loads(dead.value)["seq"] == crash_at
 
 
 async def test_sigkill_between_db_commit_and_offset_commit_applies_once(
