@@ -23,7 +23,6 @@ from inbox.errors import (
 )
 from inbox.event import InboxEvent
 from inbox.metrics import Metrics
-from inbox.retention import delete_expired_inbox_rows
 from inbox.runner import ConsumerDaemon
 from inbox.store import DeadLetter, DeadLetterFilter, InboxStore
 from outbox.retry import Permanent, Retryable
@@ -45,5 +44,4 @@ __all__ = [
     "ReplayRefused",
     "ReplayReport",
     "Retryable",
-    "delete_expired_inbox_rows",
 ]

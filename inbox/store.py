@@ -20,16 +20,13 @@ from sqlalchemy import (
     column,
     delete,
     func,
-    literal_column,
     or_,
     select,
     tuple_,
     update,
 )
 from sqlalchemy.dialects.postgresql import ARRAY, insert
-from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
-from sqlalchemy.sql.dml import Delete
 
 from inbox.event import InboxEvent
 from outbox.tables import Tables
@@ -235,26 +232,6 @@ class InboxStore:
             },
         )
         return set(result.scalars())
-
-    def delete_expired_statement(self, older_than: dt.timedelta, limit: int) -> Delete:
-        """DELETE at most ``limit`` inbox rows processed before ``now() - older_than``.
-
-        Bounded so that retention never runs one huge DELETE (lock time, WAL burst, bloat);
-        ``ctid`` lets the inner LIMIT pick the victims through the processed_at index.
-        """
-        inbox = self.tables.inbox
-        victims = (
-            select(literal_column("ctid"))
-            .select_from(inbox)
-            .where(inbox.c.processed_at < func.now() - older_than)
-            .limit(limit)
-            .scalar_subquery()
-        )
-        return delete(inbox).where(literal_column("ctid") == func.any(func.array(victims)))
-
-    def delete_expired(self, conn: Connection, older_than: dt.timedelta, limit: int) -> int:
-        """Run one bounded retention batch on a sync connection; rows deleted."""
-        return int(conn.execute(self.delete_expired_statement(older_than, limit)).rowcount)
 
     async def inbox_status(self, db: Executor, consumer: str, event_id: str) -> str | None:
         inbox = self.tables.inbox

@@ -65,7 +65,7 @@ class RelaySettings(_Section):
         "of the owned lanes (one claims while another waits for Kafka acks).",
     )
     poll_interval_seconds: float = Field(
-        0.5, gt=0, description="Longest sleep between polls when the outbox is empty."
+        0.2, gt=0, description="Longest sleep between polls when the outbox is empty."
     )
     min_poll_interval_seconds: float = Field(
         0.005,

@@ -354,36 +354,3 @@ async def test_missing_source_topic_fails_clearly(settings: OutboxSettings) -> N
     with pytest.raises(TopicMissing, match="does not exist"):
         async with RunningConsumer(app, settings):
             pass
-
-
-def test_retention_deletes_old_inbox_rows_in_bounded_batches(
-    settings: OutboxSettings, engine: Engine
-) -> None:
-    consumer = name()
-    with engine.begin() as conn:
-        conn.execute(
-            text(
-                'INSERT INTO outbox_inbox (consumer, event_id, topic, partition, "offset", '
-                "status, processed_at) SELECT :c, 'old-' || g, 't', 0, g, 'processed', "
-                "now() - interval '8 days' FROM generate_series(1, 25) g"
-            ),
-            {"c": consumer},
-        )
-        conn.execute(
-            text(
-                'INSERT INTO outbox_inbox (consumer, event_id, topic, partition, "offset", '
-                "status, processed_at) VALUES (:c, 'fresh', 't', 0, 99, 'processed', now())"
-            ),
-            {"c": consumer},
-        )
-    deleted = inbox.delete_expired_inbox_rows(settings, engine, batch_size=10)
-    assert deleted >= 25
-    with engine.connect() as conn:
-        left = (
-            conn.execute(
-                text("SELECT event_id FROM outbox_inbox WHERE consumer = :c"), {"c": consumer}
-            )
-            .scalars()
-            .all()
-        )
-    assert left == ["fresh"]
