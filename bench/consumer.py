@@ -48,6 +48,7 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 import inbox
 from bench.common import drop_schema, payload_300b, scratch_settings
 from inbox import ConsumerDaemon, Metrics
+from outbox import aio
 from outbox.db import sync_engine
 from outbox.settings import ConsumerSettings, OutboxSettings
 
@@ -334,4 +335,4 @@ if __name__ == "__main__":
     parser.add_argument("--latency-seconds", type=float, default=15)
     parser.add_argument("--rate", type=int, default=1_000)
     parser.add_argument("--latency-handler", choices=["orm", "execute"], default="orm")
-    asyncio.run(main(parser.parse_args()))
+    aio.run(main(parser.parse_args()))

@@ -13,6 +13,7 @@ import typer
 
 from cli.context import console, run, settings_of
 from inbox import Consumer, ConsumerAppNotFound, ConsumerDaemon, Metrics
+from outbox import aio
 
 
 def load_consumer(target: str) -> Consumer:
@@ -74,5 +75,5 @@ def consume(
         highlight=False,
     )
     daemon = ConsumerDaemon(app, settings, metrics)
-    run(lambda: asyncio.run(_serve(daemon, early_stop)))
+    run(lambda: aio.run(_serve(daemon, early_stop)))
     console.print(f"[green]stopped[/] {metrics.counts}", highlight=False)

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import asyncio
-
 import typer
 from rich.table import Table
 
 import relay
 from cli.context import console, out, run, settings_of
+from outbox import aio
 
 app = typer.Typer()  # merged into the root: `outbox relay` and `outbox failed ...`
 failed_app = typer.Typer(help="Rows Kafka rejected permanently.", no_args_is_help=True)
@@ -25,7 +24,7 @@ def relay_command(
     """Publish outbox rows to Kafka until SIGTERM/SIGINT (then exit 0)."""
     settings = settings_of(ctx)
     daemon = relay.Relay(settings, metrics_port=metrics_port)
-    run(lambda: asyncio.run(daemon.serve()))
+    run(lambda: aio.run(daemon.serve()))
 
 
 def _ids(ids: list[int], all_: bool, verb: str) -> list[int] | None:
