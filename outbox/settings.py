@@ -88,6 +88,12 @@ class RelaySettings(_Section):
     heartbeat_seconds: float = Field(
         1.0, gt=0, description="Lane rebalance and heartbeat period; bounds takeover time."
     )
+    cleanup_interval_seconds: float = Field(
+        0,
+        ge=0,
+        description="Run retention (what `outbox cleanup` does) inside the relay every N "
+        "seconds, a few bounded batches at a time; 0 = off (run `outbox cleanup` instead).",
+    )
     stats_interval_seconds: float = Field(
         5.0, gt=0, description="Period of the pending-count / oldest-age metrics query."
     )

@@ -19,6 +19,7 @@ from outbox.retry import RetryPolicy
 from outbox.settings import OutboxSettings
 from relay.kafka_state import KafkaState
 from relay.lanes import LaneManager
+from relay.maintenance import run_maintenance
 from relay.metrics import RelayMetrics, serve
 from relay.pipeline import Pipeline
 from relay.publisher import Publisher
@@ -86,6 +87,10 @@ class Relay:
             asyncio.create_task(p.run(stopping), name=f"pipeline-{i}")
             for i, p in enumerate(pipelines)
         ]
+        if s.relay.cleanup_interval_seconds > 0:
+            self._tasks.append(
+                asyncio.create_task(run_maintenance(s, stopping), name="maintenance")
+            )
         stop_wait = asyncio.create_task(stopping.wait())
         failure: BaseException | None = None
         try:

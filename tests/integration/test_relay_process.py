@@ -265,3 +265,45 @@ def test_relay_without_tables_exits_1_with_a_clear_error(
     assert code == 1
     assert "outbox db upgrade" in relay.log()
     assert "outbox:outbox@" not in relay.log()  # no password in any line
+
+
+async def test_relay_runs_retention_when_configured(
+    engine: Engine,
+    settings: OutboxSettings,
+    new_topic: Callable[..., Awaitable[str]],
+    tmp_path: Path,
+) -> None:
+    # Keep-mode marks published rows instead of deleting them; the relay's maintenance
+    # task then deletes them once they are past retention (~1 s here).
+    topic = await new_topic(partitions=2)
+    events = build_tables(settings).events.fullname
+    env = relay_env(
+        settings,
+        OUTBOX_RELAY__KEEP_PUBLISHED_HOURS="0.0003",
+        OUTBOX_RELAY__CLEANUP_INTERVAL_SECONDS="0.5",
+    )
+    relay = RelayProcess(env, tmp_path, "maintenance")
+    try:
+        ids = publish_numbered(engine, settings, topic, 300, keys=10)
+        records = await read_ids(settings.kafka_bootstrap_servers, topic, ids, wait_seconds=30)
+        assert verdict(records, ids).lost == 0
+        counts: list[tuple[int, int]] = []  # (marked published, total) over time
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            with engine.connect() as conn:
+                counts.append(
+                    tuple(
+                        conn.execute(
+                            text(f"SELECT count(published_at), count(*) FROM {events}")
+                        ).one()
+                    )  # type: ignore[arg-type]
+                )
+            if counts[-1][1] == 0:
+                break
+            await asyncio.sleep(0.2)
+    finally:
+        code, _ = relay.terminate()
+    assert any(marked > 0 for marked, _ in counts), "rows were never kept as published"
+    assert counts[-1] == (0, 0), (counts[-5:], relay.log()[-2000:])
+    assert code == 0
+    assert "retention round" in relay.log()
