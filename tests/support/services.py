@@ -49,7 +49,9 @@ def _containers() -> Iterator[Endpoints]:
 
     with ExitStack() as stack:
         pg = stack.enter_context(PostgresContainer("postgres:15", driver="psycopg"))
-        kafka = stack.enter_context(KafkaContainer("apache/kafka:4.1.1").with_kraft())
+        # testcontainers' KafkaContainer drives Confluent images: 7.9 is Apache Kafka 3.9
+        # in KRaft mode (the native services and docker-compose.yml run Kafka 4.1).
+        kafka = stack.enter_context(KafkaContainer("confluentinc/cp-kafka:7.9.0").with_kraft())
         yield Endpoints(pg.get_connection_url(), kafka.get_bootstrap_server(), "testcontainers")
 
 
