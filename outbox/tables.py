@@ -152,11 +152,10 @@ def _relays(md: MetaData, prefix: str) -> Table:
 # ---------------------------------------------------------------- inbox section
 
 
-def _inbox(md: MetaData, prefix: str) -> Table:
-    name = f"{prefix}inbox"
-    return Table(
-        name,
-        md,
+def _consumed_record_columns() -> list[Column[Any]]:
+    """Which consumer saw which event where: the key and origin shared by the inbox and
+    the dead-letter table (one row per consumer and event in each)."""
+    return [
         Column("consumer", Text, primary_key=True),
         # The CloudEvents `ce_id`; records without one get "<topic>:<partition>:<offset>".
         Column("event_id", Text, primary_key=True),
@@ -164,6 +163,15 @@ def _inbox(md: MetaData, prefix: str) -> Table:
         Column("partition", Integer, nullable=False),
         Column("offset", BigInteger, nullable=False),
         Column("event_type", Text, nullable=True),
+    ]
+
+
+def _inbox(md: MetaData, prefix: str) -> Table:
+    name = f"{prefix}inbox"
+    return Table(
+        name,
+        md,
+        *_consumed_record_columns(),
         # processed | dead_lettered | skipped | replaying (a replay is on its way)
         Column("status", Text, nullable=False),
         Column("attempts", Integer, nullable=False, server_default=text("0")),
@@ -198,12 +206,7 @@ def _dead_letters(md: MetaData, prefix: str) -> Table:
     return Table(
         name,
         md,
-        Column("consumer", Text, primary_key=True),
-        Column("event_id", Text, primary_key=True),
-        Column("topic", Text, nullable=False),
-        Column("partition", Integer, nullable=False),
-        Column("offset", BigInteger, nullable=False),
-        Column("event_type", Text, nullable=True),
+        *_consumed_record_columns(),
         # The original record, byte for byte, so a replay does not depend on the DLQ
         # topic's retention.
         Column("key", LargeBinary, nullable=True),
