@@ -231,7 +231,10 @@ async def latency(
             await task
         await asyncio.sleep(0.02)
     cpu_per_event = (cpu_seconds() - cpu0) / len(sent) * 1e6
-    print(f"  ({len(sent) / len(daemon.commits):.1f} events per database commit on average)")
+    print(
+        f"  ({len(sent) / len(daemon.commits):.1f} events per partition per database commit on "
+        "average; a shared transaction counts once for each partition it finished)"
+    )
     stop.set()
     await task
     # A commit at (partition, offset) finishes every record below offset not yet finished.

@@ -33,6 +33,17 @@ durable attempt count per try and full-jitter backoff, keeping the partition's o
 After a crash the records of the unfinished run are handled in careful mode, one per
 transaction, so the event that kills the process is isolated and, after its attempts are
 used up, dead-lettered without running again.
+
+Shared transaction (:func:`process_together`): when several partitions each have a small
+run ready at once, the per-transaction cost (claim, flush, commit; about all the CPU at a
+few events per run) is paid once for all of them. Each partition's marker is armed for its
+own run first (one autocommit statement for all), then one transaction claims every run,
+handles each partition's records in offset order and disarms every marker; offsets move
+only after that commit. A crash inside it leaves each partition's marker armed, exactly as
+concurrent per-partition runs would. If it fails, it is rolled back and every partition
+runs alone again (its marker is still armed for it, so that costs no marker write); the
+partition whose handler raised resumes from that failure as after a failed run of its own
+(first attempt counted), in its own lane so its retries block no other partition.
 """
 
 from __future__ import annotations
@@ -130,6 +141,8 @@ class PartitionProcessor:
     # has not started yet, or started without it killing the process: such a marker is
     # ours, not evidence of a crash.
     _ready: tuple[int, int] | None = field(default=None, init=False)
+    # (offset, error) of the handler that failed in a shared transaction, to resume from.
+    _failed: tuple[int, Exception] | None = field(default=None, init=False)
 
     @property
     def consumer(self) -> str:
@@ -152,6 +165,11 @@ class PartitionProcessor:
                 self._ready = None
             done = 0
             run = queued(-1, size)
+            if self._failed is not None and run:
+                offset, cause = self._failed
+                self._failed = None
+                done = await self._resume(run, offset, cause)
+                run = queued(run[done - 1].offset, size) if done else ()
             while run and done < budget and not self.stopping.is_set():
                 following: Sequence[InboxEvent] = ()
                 if done + len(run) < budget:
@@ -171,8 +189,57 @@ class PartitionProcessor:
             return done
         except BaseException:
             # A failed or cancelled commit leaves the marker's durable state unknown.
-            self._marker, self._ready = UNREAD, None
+            self._forget()
             raise
+
+    def _forget(self) -> None:
+        self._marker, self._ready, self._failed = UNREAD, None, None
+
+    async def release(self) -> None:
+        """Before letting go of the partition: disarm a marker armed for a run that was
+        not started (a shared transaction that failed), or the next owner would take it
+        for a crash."""
+        if self._ready is not None:
+            try:
+                await self._finish_alone()
+            except BaseException:
+                self._forget()
+                raise
+
+    def ready_run(self, queued: Queued) -> Sequence[InboxEvent] | None:
+        """Everything queued, if it can join a shared transaction: a short run (all the
+        partition has) on the fast path, no marker armed, nothing to recover or resume."""
+        if (
+            self.config.transaction_per != "batch"
+            or self.stopping.is_set()
+            or isinstance(self._marker, _Unread)
+            or (self._marker is not None and self._marker.attempts > 0)
+            or self._ready is not None
+            or self._failed is not None
+        ):
+            return None
+        run = queued(-1, self.config.max_batch_records)
+        if not run or queued(run[-1].offset, 1) or any(self._needs_policy(e) for e in run):
+            return None
+        if len(run) == 1 and self._max_attempts(run[0]) < 2:
+            # A neighbour that kills the process charges this run's marker an attempt;
+            # a one-record marker counts it against that record (a batch marker does not),
+            # and with one attempt allowed it would be dead-lettered without running.
+            return None
+        return run
+
+    async def _resume(self, run: Sequence[InboxEvent], offset: int, cause: Exception) -> int:
+        """Continue after the handler at ``offset`` failed in a shared transaction, as
+        after a failed fast run of our own (the marker is still armed for it)."""
+        index = next((i for i, e in enumerate(run) if e.offset == offset), None)
+        if index is None:  # cannot happen: the lane keeps every unfinished record
+            return 0
+        result = await self._failed_at(run, index, cause)
+        if isinstance(result, _RetryAlone):
+            if not await self._alone(run[result.index], 1, result.failure):
+                return result.index
+            return result.index + 1
+        return result
 
     async def _step(self, run: Sequence[InboxEvent], following: Sequence[InboxEvent]) -> int:
         if self._ready is not None:
@@ -288,16 +355,21 @@ class PartitionProcessor:
                 return await self._fast(chunk, at_commit)
             except _Stop as stop:
                 if stop.index is not None:
-                    # That run was the failing event's first attempt. Commit the events
-                    # before it; it continues alone (retried, or dead-lettered).
-                    failure = failures.classify(stop.cause, self.config.error_message_chars)
-                    done = 0
-                    if stop.index:
-                        done = await self._prefix(chunk[: stop.index])
-                        if done < stop.index:
-                            return done
-                    return _RetryAlone(stop.index, failure)
+                    return await self._failed_at(chunk, stop.index, stop.cause)
         return await self._savepointed(chunk, at_commit)
+
+    async def _failed_at(
+        self, chunk: Sequence[InboxEvent], index: int, cause: Exception
+    ) -> int | _RetryAlone:
+        """The fast run failed in the handler of ``chunk[index]``: that was the event's
+        first attempt. Commit the events before it; it continues alone (retried, or
+        dead-lettered)."""
+        failure = failures.classify(cause, self.config.error_message_chars)
+        if index:
+            done = await self._prefix(chunk[:index])
+            if done < index:
+                return done
+        return _RetryAlone(index, failure)
 
     async def _prefix(self, chunk: Sequence[InboxEvent]) -> int:
         result = await self._chunk(chunk, KEEP)
@@ -574,3 +646,59 @@ def _span(run: Sequence[InboxEvent]) -> tuple[int, int]:
 
 def _span_of(marker: Marker) -> tuple[int, int]:
     return marker.start_offset, marker.end_offset
+
+
+async def process_together(
+    members: Sequence[tuple[PartitionProcessor, Sequence[InboxEvent]]],
+) -> None:
+    """Handle several partitions' runs (from :meth:`PartitionProcessor.ready_run`) in one
+    transaction (see the module docstring). Whatever is not finished when this returns is
+    left to each partition's own :meth:`PartitionProcessor.process`."""
+    lead = members[0][0]
+    store, consumer = lead.store, lead.consumer
+    try:
+        async with lead.autocommit.connect() as conn:
+            await store.arm_markers(
+                conn,
+                consumer,
+                [(p.topic, p.partition, run[0].offset, run[-1].offset) for p, run in members],
+            )
+        for p, run in members:
+            p._marker = Marker(run[0].offset, run[-1].offset, 1, None)
+            p._ready = _span(run)
+        # The same event in two partitions: only the first copy is claimed.
+        unique: dict[str, InboxEvent] = {}
+        for _, run in members:
+            for event in run:
+                unique.setdefault(event.event_id, event)
+        at: tuple[PartitionProcessor, int] | None = None
+        try:
+            async with lead.sessions() as session, session.begin():
+                fresh = await store.claim(
+                    await session.connection(),
+                    consumer,
+                    list(unique.values()),
+                    finish=[(p.topic, p.partition) for p, _ in members],
+                )
+                for p, run in members:
+                    for event in run:
+                        if event.event_id in fresh and unique[event.event_id] is event:
+                            at = (p, event.offset)
+                            await p._run_handler(event, session)
+                at = None
+                await session.flush()  # handler writes fail here, not inside commit
+        except Exception as exc:
+            log.debug("shared transaction failed", extra={"error": type(exc).__name__})
+            if at is not None:
+                at[0]._failed = (at[1], exc)
+            return
+    except BaseException:
+        for p, _ in members:
+            p._forget()
+        raise
+    for p, run in members:
+        new = sum(1 for e in run if e.event_id in fresh and unique[e.event_id] is e)
+        p._committed(None)
+        p.metrics.processed(new)
+        p.metrics.duplicates(len(run) - new)
+        await p._progress(run[-1])

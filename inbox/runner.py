@@ -2,12 +2,14 @@
 
 Each assigned partition gets a lane: a task handling its fetched records in offset order,
 one batch at a time. Lanes run concurrently (up to ``max_concurrent_partitions``); a lane
-far behind pauses its partition's fetching. Offsets are committed only after the database
-commit that finished them, never by auto-commit, by a committer task that coalesces them
-so handlers never wait for a Kafka round trip. On revocation a revoked partition's
-in-flight run finishes (a retry backing off is abandoned before its next attempt) and its
-offsets are committed before the rebalance proceeds; the new owner starts at the committed
-offset and the inbox dedupes the rest.
+far behind pauses its partition's fetching. A lane with only a short run ready takes the
+short runs of idle lanes along into one shared transaction (see ``inbox/processor.py``):
+at low rates the per-transaction cost is then paid once for many partitions. Offsets are
+committed only after the database commit that finished them, never by auto-commit, by a
+committer task that coalesces them so handlers never wait for a Kafka round trip. On
+revocation a revoked partition's in-flight run finishes (a retry backing off is abandoned
+before its next attempt) and its offsets are committed before the rebalance proceeds; the
+new owner starts at the committed offset and the inbox dedupes the rest.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from inbox.app import Consumer
 from inbox.event import InboxEvent, decode
 from inbox.kafka import KafkaSink, dlq_producer, ensure_topics
 from inbox.metrics import Metrics
-from inbox.processor import PartitionProcessor
+from inbox.processor import PartitionProcessor, process_together
 from inbox.store import InboxStore
 from outbox.db import async_engine
 from outbox.errors import OutboxError
@@ -86,6 +88,9 @@ class ConsumerDaemon:
             self.settings.retry.base_seconds, self.settings.retry.cap_seconds, config.max_attempts
         )
         self._slots = asyncio.Semaphore(config.max_concurrent_partitions)
+        # One shared transaction at a time: lanes with short runs wait to be taken along by
+        # the next one instead of each running its own transaction meanwhile.
+        self._shared = asyncio.Lock()
         self._store = InboxStore(build_tables(self.settings))
 
     # ------------------------------------------------------------------ lifecycle
@@ -272,6 +277,10 @@ class _Lane:
     events: list[InboxEvent] = field(default_factory=list)  # fetched, not finished
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     task: asyncio.Task[None] | None = None
+    # Set while this lane's records are handled, by its own task or a shared transaction
+    # (set and tested without an await in between: no lock needed on one event loop).
+    busy: bool = False
+    idle: asyncio.Event = field(default_factory=asyncio.Event)
     position: int = -1
     paused: bool = False
 
@@ -296,7 +305,6 @@ class _Lane:
         self.daemon._offset_done(self.tp, offset)
 
     async def work(self) -> None:
-        config = self.daemon.settings.consumer
         stopping = self.processor.stopping
         failures = 0
         while not stopping.is_set():
@@ -305,10 +313,15 @@ class _Lane:
                 await self.wake.wait()
                 continue
             async with self.daemon._slots:
+                await self._wait_idle()
                 if stopping.is_set():
                     break
+                if not self.events:
+                    continue  # a shared transaction finished them
+                self.busy = True
                 try:
-                    await self.processor.process(self.queued)
+                    if not await self._together():
+                        await self.processor.process(self.queued)
                     failures = 0
                 except Exception as exc:
                     if not _transient(exc):
@@ -325,13 +338,84 @@ class _Lane:
                     )
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(stopping.wait(), delay)
-            # Drop what is finished; the rest (a stop or an error) is tried again.
-            del self.events[: bisect.bisect_left(self.events, self.position, key=_offset)]
-            if self.paused and len(self.events) < config.max_batch_records:
-                self.paused = False
-                with contextlib.suppress(IllegalStateError):
-                    assert self.daemon._kafka is not None
-                    self.daemon._kafka.resume(self.tp)
+                finally:
+                    self.busy = False
+            self._trim()
+        await self._wait_idle()  # a shared transaction may still hold this partition's run
+        try:
+            await self.processor.release()
+        except Exception as exc:
+            if not _transient(exc):
+                raise
+            # The next owner takes the armed marker for a crash: slower, still safe.
+            log.warning(
+                "could not disarm the attempt marker",
+                extra={"partition": str(self.tp), "error": type(exc).__name__},
+            )
+
+    async def _wait_idle(self) -> None:
+        while self.busy:
+            self.idle.clear()
+            await self.idle.wait()
+
+    def _trim(self) -> None:
+        """Drop what is finished; the rest (a stop or an error) is tried again."""
+        del self.events[: bisect.bisect_left(self.events, self.position, key=_offset)]
+        if self.paused and len(self.events) < self.daemon.settings.consumer.max_batch_records:
+            self.paused = False
+            with contextlib.suppress(IllegalStateError):
+                assert self.daemon._kafka is not None
+                self.daemon._kafka.resume(self.tp)
+
+    async def _together(self) -> bool:
+        """Handle this lane's short run in one transaction with those of idle lanes;
+        False if there is no such company (then the lane runs alone)."""
+        if self.processor.ready_run(self.queued) is None:
+            return False
+        shared = self.daemon._shared
+        # While waiting, the lane is free to be taken along by the running shared transaction's
+        # successor; whoever takes it finishes before releasing ``shared``.
+        self.busy = False
+        try:
+            await shared.acquire()
+        finally:
+            await self._wait_idle()
+            self.busy = True
+        try:
+            if not self.events:
+                return True  # taken along and finished meanwhile
+            return await self._lead()
+        finally:
+            shared.release()
+
+    async def _lead(self) -> bool:
+        mine = self.processor.ready_run(self.queued)
+        if mine is None:
+            return False
+        limit = self.daemon.settings.consumer.max_batch_records
+        members = [(self.processor, mine)]
+        taken: list[_Lane] = []
+        size = len(mine)
+        for lane in list(self.daemon._lanes.values()):
+            if lane is self or lane.busy or not lane.events:
+                continue
+            run = lane.processor.ready_run(lane.queued)
+            if run is None or size + len(run) > limit:
+                continue
+            lane.busy = True
+            taken.append(lane)
+            members.append((lane.processor, run))
+            size += len(run)
+        if not taken:
+            return False
+        try:
+            await process_together(members)
+        finally:
+            for lane in taken:
+                lane._trim()
+                lane.busy = False
+                lane.idle.set()
+        return True
 
 
 def _offset(event: InboxEvent) -> int:

@@ -96,9 +96,11 @@ class InboxStore:
     _claim: Any = field(init=False, repr=False, compare=False)
     _claim_arm: Any = field(init=False, repr=False, compare=False)
     _claim_finish: Any = field(init=False, repr=False, compare=False)
+    _claim_finish_many: Any = field(init=False, repr=False, compare=False)
     _get_marker: Any = field(init=False, repr=False, compare=False)
     _set_marker: Any = field(init=False, repr=False, compare=False)
     _finish_marker: Any = field(init=False, repr=False, compare=False)
+    _set_markers: Any = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         # The hot statements are built once: SQLAlchemy then reuses their compiled form
@@ -113,9 +115,14 @@ class InboxStore:
                 "_claim_finish",
                 self._claim_statement().add_cte(self._finish_marker_statement().cte("marker")),
             ),
+            (
+                "_claim_finish_many",
+                self._claim_statement().add_cte(self._finish_markers_statement().cte("marker")),
+            ),
             ("_get_marker", self._get_marker_statement()),
             ("_set_marker", self._set_marker_statement()),
             ("_finish_marker", self._finish_marker_statement()),
+            ("_set_markers", self._set_markers_statement()),
         ):
             object.__setattr__(self, name, stmt)
 
@@ -194,6 +201,7 @@ class InboxStore:
         attempts: int = 1,
         last_error: str | None = None,
         marker: MarkerWrite | None = None,
+        finish: Sequence[tuple[str, int]] = (),
     ) -> set[str]:
         """Insert inbox rows; return the event ids that were new (the others are duplicates).
 
@@ -206,10 +214,14 @@ class InboxStore:
 
         ``marker``: also write the partition's attempt marker, in the same statement (a
         data-modifying CTE), so that it commits with these rows and costs no round trip.
+        ``finish``: likewise disarm the markers of these (topic, partition)s.
         """
         if not events:
             return set()
         stmt, params = self._claim, {}
+        if finish:
+            assert marker is None
+            stmt, params = self._claim_finish_many, self._partitions(consumer, finish)
         if marker is not None:
             key = {"m_consumer": consumer, "m_topic": marker.topic, "m_partition": marker.partition}
             if marker.marker is None:
@@ -300,6 +312,93 @@ class InboxStore:
             "m_attempts": marker.attempts,
             "m_last_error": marker.last_error,
         }
+
+    def _set_markers_statement(self) -> Any:
+        t = self.tables.inbox_attempts
+        src = (
+            func.unnest(
+                bindparam("m_topics", type_=ARRAY(Text)),
+                bindparam("m_partitions", type_=ARRAY(Integer)),
+                bindparam("m_starts", type_=ARRAY(BigInteger)),
+                bindparam("m_ends", type_=ARRAY(BigInteger)),
+            )
+            .table_valued(
+                column("topic"), column("partition"), column("start_offset"), column("end_offset")
+            )
+            .render_derived(name="m")
+        )
+        rows = select(
+            bindparam("m_consumer", type_=Text),
+            src.c.topic,
+            src.c.partition,
+            src.c.start_offset,
+            src.c.end_offset,
+            bindparam("m_attempts", type_=Integer),
+            func.now(),
+        )
+        stmt = insert(t).from_select(
+            [
+                "consumer",
+                "topic",
+                "partition",
+                "start_offset",
+                "end_offset",
+                "attempts",
+                "updated_at",
+            ],
+            rows,
+        )
+        return stmt.on_conflict_do_update(
+            index_elements=["consumer", "topic", "partition"],
+            set_={
+                "start_offset": stmt.excluded.start_offset,
+                "end_offset": stmt.excluded.end_offset,
+                "attempts": stmt.excluded.attempts,
+                "last_error": None,
+                "updated_at": stmt.excluded.updated_at,
+            },
+        )
+
+    def _finish_markers_statement(self) -> Any:
+        t = self.tables.inbox_attempts
+        src = (
+            func.unnest(
+                bindparam("m_topics", type_=ARRAY(Text)),
+                bindparam("m_partitions", type_=ARRAY(Integer)),
+            )
+            .table_valued(column("topic"), column("partition"))
+            .render_derived(name="f")
+        )
+        return (
+            update(t)
+            .where(
+                t.c.consumer == bindparam("m_consumer"),
+                tuple_(t.c.topic, t.c.partition).in_(select(src.c.topic, src.c.partition)),
+                t.c.attempts != 0,
+            )
+            .values(attempts=0, last_error=None, updated_at=func.now())
+        )
+
+    @staticmethod
+    def _partitions(consumer: str, partitions: Sequence[tuple[str, int]]) -> dict[str, Any]:
+        return {
+            "m_consumer": consumer,
+            "m_topics": [topic for topic, _ in partitions],
+            "m_partitions": [partition for _, partition in partitions],
+        }
+
+    async def arm_markers(
+        self, db: Executor, consumer: str, runs: Sequence[tuple[str, int, int, int]]
+    ) -> None:
+        """Arm several partitions' markers in one statement: (topic, partition, start
+        offset, end offset) each, one attempt, no error."""
+        params = self._partitions(consumer, [(t, p) for t, p, _, _ in runs])
+        params |= {
+            "m_starts": [start for _, _, start, _ in runs],
+            "m_ends": [end for _, _, _, end in runs],
+            "m_attempts": 1,
+        }
+        await db.execute(self._set_markers, params)
 
     async def finish_marker(self, db: Executor, consumer: str, topic: str, partition: int) -> None:
         """Mark the partition's run finished (in the run's own commit)."""

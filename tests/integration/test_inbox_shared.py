@@ -1,0 +1,118 @@
+"""Short runs of several partitions handled in one shared transaction (inbox/runner.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from collections.abc import Awaitable, Callable, Sequence
+
+import pytest
+from aiokafka import AIOKafkaProducer
+from pydantic import BaseModel
+from sqlalchemy import Engine, text
+from sqlalchemy.ext.asyncio import AsyncSession
+
+import inbox
+import inbox.runner
+from inbox import Retryable
+from inbox.event import InboxEvent
+from inbox.processor import PartitionProcessor
+from outbox.settings import ConsumerSettings, OutboxSettings, RetrySettings
+from tests.support.inbox import (
+    RunningConsumer,
+    ce_headers,
+    effect_counts,
+    effects_table,
+    wait_for,
+)
+
+pytestmark = pytest.mark.integration
+NewTopic = Callable[..., Awaitable[str]]
+PARTITIONS = 4
+WAVES = 6
+
+
+class Thing(BaseModel):
+    key: str
+    seq: int
+
+
+async def test_a_failing_handler_in_a_shared_transaction_is_retried_alone_in_its_partition(
+    settings: OutboxSettings,
+    engine: Engine,
+    new_topic: NewTopic,
+    kafka_bootstrap: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    topic = await new_topic(partitions=PARTITIONS)
+    table = effects_table(engine)
+    app = inbox.Consumer(name=f"c-{uuid.uuid4().hex[:10]}", topics=[topic])
+    calls: list[tuple[int, int]] = []  # (partition, seq) per handler call
+    failing = (1, 3 * PARTITIONS + 1)  # partition 1, wave 3: fails on its first attempt
+
+    @app.handler("test.event", max_attempts=3)
+    async def handle(event: inbox.InboxEvent, session: AsyncSession) -> None:
+        thing = Thing.model_validate_json(event.value or b"")
+        calls.append((event.partition, thing.seq))
+        if (event.partition, thing.seq) == failing and calls.count(failing) == 1:
+            raise Retryable("first attempt fails")
+        await session.execute(
+            text(f"INSERT INTO {table} (event_id, key, seq) VALUES (:e, :k, :s)"),
+            {"e": str(thing.seq), "k": thing.key, "s": thing.seq},
+        )
+
+    shared: list[set[tuple[int, int]]] = []  # (partition, offset)s per shared transaction
+    together = inbox.runner.process_together
+
+    async def spy(members: Sequence[tuple[PartitionProcessor, Sequence[InboxEvent]]]) -> None:
+        shared.append({(e.partition, e.offset) for _, run in members for e in run})
+        await together(members)
+
+    monkeypatch.setattr(inbox.runner, "process_together", spy)
+    fast = settings.model_copy(
+        update={
+            "retry": RetrySettings(base_seconds=0.01, cap_seconds=0.05),
+            "consumer": ConsumerSettings(max_attempts=3),
+        }
+    )
+    async with RunningConsumer(app, fast) as c:
+        await wait_for(c.assigned, what="assignment")
+        producer = AIOKafkaProducer(bootstrap_servers=kafka_bootstrap, linger_ms=20)
+        await producer.start()
+        try:
+            for wave in range(WAVES):
+                # One record per partition, sent together: they arrive in one fetch.
+                sent = []
+                for p in range(PARTITIONS):
+                    seq = wave * PARTITIONS + p
+                    body = json.dumps({"key": f"p{p}", "seq": seq}).encode()
+                    headers = ce_headers(str(uuid.uuid4()))
+                    sent.append(await producer.send(topic, body, partition=p, headers=headers))
+                await asyncio.gather(*sent)
+                await asyncio.sleep(0.3)
+        finally:
+            await producer.stop()
+        total = WAVES * PARTITIONS
+        await wait_for(lambda: c.metrics.counts["processed"] >= total, what="processing")
+    # The failing event (partition 1, offset 3) had its first attempt in a shared one.
+    assert any((1, 3) in events and len({p for p, _ in events}) >= 2 for events in shared)
+    # Every effect exactly once; the failing event ran twice (its first attempt rolled back).
+    assert effect_counts(engine, table) == {str(s): 1 for s in range(total)}
+    assert calls.count(failing) == 2
+    assert c.metrics.counts["retries"] == 1
+    assert c.metrics.counts["dead_lettered"] == 0
+    # Each partition's events ran in offset (= seq) order.
+    for p in range(PARTITIONS):
+        seqs = [s for q, s in calls if q == p]
+        assert seqs == sorted(seqs)
+    # Every attempt marker is disarmed at the end.
+    with engine.connect() as conn:
+        armed = conn.execute(
+            text(
+                f"SELECT count(*) FROM {fast.db_schema}.{fast.table_prefix}inbox_attempts "
+                "WHERE consumer = :c AND attempts <> 0"
+            ),
+            {"c": app.name},
+        ).scalar_one()
+    assert armed == 0
