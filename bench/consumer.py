@@ -17,8 +17,10 @@
    (so it does not compete with the consumer for its event loop) sends paced records;
    latency = Kafka produce call -> the handler's database commit returned (before the
    offset commit), p50/p99, with the consumer's CPU time per event. Both processes read the
-   same monotonic clock. The relay is not in this path: add the relay's own claim ->
-   Kafka ack latency for producer-commit -> handler-commit.
+   same monotonic clock.
+3. End to end at the same rate: the producer process commits outbox rows (one event per
+   transaction, ``Outbox.publish``), an ``outbox relay`` subprocess publishes them, and
+   latency = producer commit returned -> the handler's database commit returned.
 
 Figures depend heavily on what else runs on the machine: the report prints the load.
 """
@@ -34,6 +36,7 @@ import multiprocessing
 import os
 import resource
 import statistics
+import sys
 import time
 import uuid
 from multiprocessing.connection import Connection
@@ -120,9 +123,21 @@ async def produce_all(bootstrap: str, topic: str, n: int) -> None:
         await producer.stop()
 
 
-def make_app(name: str, topic: str, handler: str) -> inbox.Consumer:
+def make_app(
+    name: str, topic: str, handler: str, seen: dict[tuple[int, int], str] | None = None
+) -> inbox.Consumer:
     app = inbox.Consumer(name=name, topics=[topic])
-    if handler == "orm":
+    if seen is not None:
+        # End-to-end run: the orm handler, also noting which event sits at which offset
+        # (the producer only knows event ids; the commit timings know offsets).
+
+        @app.handler("order.created")
+        async def add_and_note(event: inbox.InboxEvent, session: AsyncSession) -> None:
+            body = OrderCreated.model_validate_json(event.value or b"{}")
+            session.add(BenchOrder(order_id=body.order_id, total_cents=body.total_cents))
+            seen[(event.partition, event.offset)] = event.event_id
+
+    elif handler == "orm":
 
         @app.handler("order.created")
         async def add_row(event: OrderCreated, session: AsyncSession) -> None:
@@ -200,6 +215,96 @@ def paced_producer(bootstrap: str, topic: str, rate: int, seconds: float, out: C
     out.close()
 
 
+def outbox_producer(
+    url: str, schema: str, topic: str, rate: int, seconds: float, out: Connection
+) -> None:
+    """Child process: commit ``rate * seconds`` one-event transactions at a steady pace;
+    report {event_id: monotonic time the commit returned} through ``out``."""
+    from sqlalchemy.orm import Session
+
+    from outbox import Outbox
+
+    settings = OutboxSettings(database_url=url, db_schema=schema)  # type: ignore[arg-type]
+    engine = sync_engine(settings)
+    ob = Outbox(settings)
+    committed: dict[str, float] = {}
+    total, begin = int(seconds * rate), time.perf_counter()
+    for i in range(total):
+        delay = begin + i / rate - time.perf_counter()
+        if delay > 0:
+            time.sleep(delay)
+        with Session(engine) as session, session.begin():
+            event_id = ob.publish(
+                session,
+                topic=topic,
+                key=f"cus-{i % 997}",
+                event_type="order.created",
+                payload=payload_300b(i),
+            )
+        committed[str(event_id)] = time.perf_counter()
+    engine.dispose()
+    out.send(committed)
+    out.close()
+
+
+async def relay_latency(
+    settings: OutboxSettings, partitions: int, seconds: float, rate: int
+) -> list[float]:
+    """Sorted producer-commit -> handler-commit latencies (ms) through a relay process."""
+    bootstrap = settings.kafka_bootstrap_servers
+    topic = await make_topic(bootstrap, partitions)
+    seen: dict[tuple[int, int], str] = {}
+    app = make_app(f"bench-e2e-{uuid.uuid4().hex[:6]}", topic, "orm", seen)
+    daemon = TimedDaemon(app, settings, Metrics(app.name))
+    daemon.commits = []
+    stop = asyncio.Event()
+    task = asyncio.create_task(daemon.run(stop))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
+    env |= {
+        "OUTBOX_DATABASE_URL": settings.database_url.get_secret_value(),
+        "OUTBOX_DB_SCHEMA": settings.db_schema,
+        "OUTBOX_KAFKA_BOOTSTRAP_SERVERS": bootstrap,
+    }
+    relay = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "cli", "--log-level", "WARNING", "relay", env=env
+    )
+    try:
+        while not (daemon._kafka and daemon._kafka.assignment()):
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(1.0)  # relay lanes acquired, consumer fetching
+        ctx = multiprocessing.get_context("spawn")
+        receive, send = ctx.Pipe(duplex=False)
+        args = (
+            settings.database_url.get_secret_value(),
+            settings.db_schema,
+            topic,
+            rate,
+            seconds,
+            send,
+        )
+        child = ctx.Process(target=outbox_producer, args=args)
+        child.start()
+        send.close()
+        while not receive.poll():
+            if task.done():
+                await task
+            await asyncio.sleep(0.05)
+        committed: dict[str, float] = receive.recv()
+        child.join()
+        sent: dict[tuple[int, int], float] = {}
+        while len(sent) < len(committed) or not _covered(daemon.commits, sent):
+            if task.done():
+                await task
+            await asyncio.sleep(0.02)
+            sent = {where: committed[eid] for where, eid in seen.items() if eid in committed}
+    finally:
+        relay.terminate()
+        await asyncio.wait_for(relay.wait(), 30)
+        stop.set()
+        await task
+    return sorted((at - sent[k]) * 1000 for k, at in _finished_at(daemon.commits, sent).items())
+
+
 async def latency(
     settings: OutboxSettings, partitions: int, seconds: float, rate: int, handler: str
 ) -> tuple[list[float], float]:
@@ -237,20 +342,28 @@ async def latency(
     )
     stop.set()
     await task
-    # A commit at (partition, offset) finishes every record below offset not yet finished.
+    done_at = _finished_at(daemon.commits, sent)
+    return sorted((done_at[k] - sent[k]) * 1000 for k in sent), cpu_per_event
+
+
+def _finished_at(
+    commits: list[tuple[TopicPartition, int, float]], sent: dict[tuple[int, int], float]
+) -> dict[tuple[int, int], float]:
+    """When each sent record's database commit returned: a commit at (partition, offset)
+    finishes every record below that offset not yet finished."""
     by_partition: dict[int, list[tuple[int, float]]] = {}
-    for tp, offset, at in daemon.commits:
+    for tp, offset, at in commits:
         by_partition.setdefault(tp.partition, []).append((offset, at))
     done_at: dict[tuple[int, int], float] = {}
-    for p, commits in by_partition.items():
+    for p, in_order in by_partition.items():
         # One partition's commits come in offset order: walk both lists once.
         offsets = sorted(off for q, off in sent if q == p)
         i = 0
-        for offset, at in commits:
+        for offset, at in in_order:
             while i < len(offsets) and offsets[i] < offset:
                 done_at[(p, offsets[i])] = at
                 i += 1
-    return sorted((done_at[k] - sent[k]) * 1000 for k in sent), cpu_per_event
+    return done_at
 
 
 def _covered(
@@ -324,6 +437,12 @@ async def main(args: argparse.Namespace) -> None:
             f"producer in its own process): p50 {pct(lat, 0.5):.1f} ms, "
             f"p99 {pct(lat, 0.99):.1f} ms, max {lat[-1]:.1f} ms, "
             f"mean {statistics.fmean(lat):.1f} ms; consumer CPU {cpu_us:.0f} us/event"
+        )
+        e2e = await relay_latency(settings, args.partitions, args.latency_seconds, args.rate)
+        print(
+            f"end to end at {args.rate}/s for {args.latency_seconds:.0f} s (producer commit -> "
+            f"relay -> Kafka -> handler DB commit, {len(e2e):,} events, one relay process): "
+            f"p50 {pct(e2e, 0.5):.1f} ms, p99 {pct(e2e, 0.99):.1f} ms, max {e2e[-1]:.1f} ms"
         )
         print(f"after the runs: {load()}")
     finally:
