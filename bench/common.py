@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import uuid
 
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from sqlalchemy import text
 
 from outbox import OutboxSettings, load_settings, migrate
@@ -38,3 +39,17 @@ def payload_300b(n: int) -> dict[str, object]:
         "shipping": {"country": "DE", "method": "standard", "address_id": f"adr-{n % 811:06d}"},
         "note": "x" * 60,
     }
+
+
+async def create_topic(
+    bootstrap: str, partitions: int, config: dict[str, str] | None = None, prefix: str = "bench"
+) -> str:
+    """A uniquely named topic (the broker never auto-creates them)."""
+    name = f"{prefix}-{uuid.uuid4().hex[:8]}"
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    await admin.start()
+    try:
+        await admin.create_topics([NewTopic(name, partitions, 1, topic_configs=config or {})])
+    finally:
+        await admin.close()
+    return name

@@ -42,14 +42,13 @@ import uuid
 from multiprocessing.connection import Connection
 
 from aiokafka import AIOKafkaProducer, TopicPartition
-from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from pydantic import BaseModel
 from sqlalchemy import BigInteger, Integer, Text, text
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 import inbox
-from bench.common import drop_schema, payload_300b, scratch_settings
+from bench.common import create_topic, drop_schema, payload_300b, scratch_settings
 from inbox import ConsumerDaemon, Metrics
 from outbox import aio
 from outbox.db import sync_engine
@@ -86,17 +85,6 @@ class TimedDaemon(ConsumerDaemon):
     def _offset_done(self, tp: TopicPartition, offset: int) -> None:
         self.commits.append((tp, offset, time.perf_counter()))
         super()._offset_done(tp, offset)
-
-
-async def make_topic(bootstrap: str, partitions: int) -> str:
-    name = f"bench-inbox-{uuid.uuid4().hex[:8]}"
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
-    await admin.start()
-    try:
-        await admin.create_topics([NewTopic(name, partitions, 1)])
-    finally:
-        await admin.close()
-    return name
 
 
 def record(n: int) -> tuple[bytes, bytes, list[tuple[str, bytes]]]:
@@ -252,7 +240,7 @@ async def relay_latency(
 ) -> list[float]:
     """Sorted producer-commit -> handler-commit latencies (ms) through a relay process."""
     bootstrap = settings.kafka_bootstrap_servers
-    topic = await make_topic(bootstrap, partitions)
+    topic = await create_topic(bootstrap, partitions, prefix="bench-inbox")
     seen: dict[tuple[int, int], str] = {}
     app = make_app(f"bench-e2e-{uuid.uuid4().hex[:6]}", topic, "orm", seen)
     daemon = TimedDaemon(app, settings, Metrics(app.name))
@@ -310,7 +298,7 @@ async def latency(
 ) -> tuple[list[float], float]:
     """Sorted latencies (ms) and the consumer's CPU microseconds per event."""
     bootstrap = settings.kafka_bootstrap_servers
-    topic = await make_topic(bootstrap, partitions)
+    topic = await create_topic(bootstrap, partitions, prefix="bench-inbox")
     app = make_app(f"bench-lat-{uuid.uuid4().hex[:6]}", topic, handler)
     daemon = TimedDaemon(app, settings, Metrics(app.name))
     daemon.commits = []
@@ -415,7 +403,7 @@ async def main(args: argparse.Namespace) -> None:
         ]
         for mode, handler, n in runs:
             s = settings.model_copy(update={"consumer": ConsumerSettings(transaction_per=mode)})
-            topic = await make_topic(bootstrap, args.partitions)
+            topic = await create_topic(bootstrap, args.partitions, prefix="bench-inbox")
             await produce_all(bootstrap, topic, n)
             elapsed, counted, cpu = await drain(s, topic, n, handler)
             results[f"{mode}/{handler}"] = counted / elapsed

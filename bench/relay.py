@@ -27,9 +27,9 @@ from pathlib import Path
 
 import psycopg
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
-from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from sqlalchemy.engine import make_url
 
+from bench.common import create_topic
 from outbox import Outbox, migrate
 from outbox.db import sync_engine
 from outbox.envelope import Message, lane_for
@@ -229,7 +229,9 @@ async def latency(
 ) -> tuple[float, float, int]:
     """p50/p99 ms from producer commit to the broker's append (LogAppendTime) at ``rate``
     single-event transactions per second, one relay running."""
-    topic = await create_topic(settings, 6, {"message.timestamp.type": "LogAppendTime"})
+    topic = await create_topic(
+        settings.kafka_bootstrap_servers, 6, {"message.timestamp.type": "LogAppendTime"}
+    )
     procs = start_relays(settings, 1, logs)
     ob = Outbox(settings)
     engine = sync_engine(settings)
@@ -267,17 +269,6 @@ async def latency(
     lat = [ts / 1000 - committed[eid] for eid, ts in records if eid in committed]
     lat.sort()
     return lat[len(lat) // 2] * 1000, lat[int(len(lat) * 0.99)] * 1000, len(lat)
-
-
-async def create_topic(settings: OutboxSettings, partitions: int, config: dict[str, str]) -> str:
-    name = f"bench-{uuid.uuid4().hex[:8]}"
-    admin = AIOKafkaAdminClient(bootstrap_servers=settings.kafka_bootstrap_servers)
-    await admin.start()
-    try:
-        await admin.create_topics([NewTopic(name, partitions, 1, topic_configs=config)])
-    finally:
-        await admin.close()
-    return name
 
 
 async def read_topic(settings: OutboxSettings, topic: str, expect: int) -> list[tuple[str, int]]:
@@ -383,7 +374,7 @@ def main() -> None:
     results: dict[str, object] = {}
     try:
         migrate.upgrade(settings)
-        topic = asyncio.run(create_topic(settings, args.partitions, {}))
+        topic = asyncio.run(create_topic(settings.kafka_bootstrap_servers, args.partitions))
         print(
             f"load: {os.cpu_count()} cores, loadavg {os.getloadavg()[0]:.2f}; "
             f"backlog {args.rows} rows of ~300 B, {KEYS} keys, {args.partitions} partitions"

@@ -10,7 +10,7 @@ from typing import TypeVar
 import typer
 from rich.console import Console
 
-from outbox.errors import OutboxError
+from outbox.errors import ConfigurationError, OutboxError
 from outbox.settings import OutboxSettings, load_settings
 
 console = Console(stderr=True)
@@ -35,9 +35,7 @@ def reported_errors() -> Iterator[None]:
         yield
     except OutboxError as exc:
         console.print(f"[bold red]error:[/] {type(exc).__name__}: {exc}", highlight=False)
-        raise typer.Exit(
-            2 if type(exc).__name__.endswith(("ConfigurationError", "InvalidIdentifier")) else 1
-        ) from None
+        raise typer.Exit(2 if isinstance(exc, ConfigurationError) else 1) from None
 
 
 def run(fn: Callable[[], T]) -> T:

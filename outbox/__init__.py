@@ -39,7 +39,7 @@ from outbox.idempotency import (
     scope_for,
     strip_fields,
 )
-from outbox.producer import Outbox, outbox_for
+from outbox.producer import Outbox
 from outbox.retry import (
     HttpStatusError,
     Permanent,
@@ -91,7 +91,6 @@ __all__ = [
     "is_retryable",
     "is_retryable_status",
     "load_settings",
-    "outbox_for",
     "request_hash",
     "scope_for",
     "strip_fields",

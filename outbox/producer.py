@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterable, Sequence
-from functools import cache
 from typing import Any, Unpack
 
 from sqlalchemy import Connection
@@ -116,9 +115,3 @@ class Outbox:
     ) -> uuid.UUID:
         """Async :meth:`publish`."""
         return (await self.publish_many_async(session, [Message(**fields)]))[0]
-
-
-@cache
-def outbox_for(settings: OutboxSettings) -> Outbox:
-    """The :class:`Outbox` of a settings object (settings are frozen, hence hashable)."""
-    return Outbox(settings)
