@@ -1,6 +1,7 @@
 """Inbox consumer throughput and latency.
 
     python -m bench.consumer [--events 40000] [--partitions 8] [--latency-seconds 15]
+                             [--parts throughput,latency,e2e]
 
 1. Throughput: ``--events`` CloudEvents records (~300 B JSON) are produced to a fresh topic
    first, then one consumer drains them with inbox dedupe and a handler inserting one row:
@@ -112,18 +113,22 @@ async def produce_all(bootstrap: str, topic: str, n: int) -> None:
 
 
 def make_app(
-    name: str, topic: str, handler: str, seen: dict[tuple[int, int], str] | None = None
+    name: str,
+    topic: str,
+    handler: str,
+    seen: dict[tuple[int, int], tuple[str, int]] | None = None,
 ) -> inbox.Consumer:
     app = inbox.Consumer(name=name, topics=[topic])
     if seen is not None:
         # End-to-end run: the orm handler, also noting which event sits at which offset
-        # (the producer only knows event ids; the commit timings know offsets).
+        # (the producer only knows event ids; the commit timings know offsets) and when
+        # the broker appended it.
 
         @app.handler("order.created")
         async def add_and_note(event: inbox.InboxEvent, session: AsyncSession) -> None:
             body = OrderCreated.model_validate_json(event.value or b"{}")
             session.add(BenchOrder(order_id=body.order_id, total_cents=body.total_cents))
-            seen[(event.partition, event.offset)] = event.event_id
+            seen[(event.partition, event.offset)] = (event.event_id, event.timestamp_ms or 0)
 
     elif handler == "orm":
 
@@ -207,15 +212,17 @@ def outbox_producer(
     url: str, schema: str, topic: str, rate: int, seconds: float, out: Connection
 ) -> None:
     """Child process: commit ``rate * seconds`` one-event transactions at a steady pace;
-    report {event_id: monotonic time the commit returned} through ``out``."""
+    report {event_id: (monotonic, wall-clock) time the commit returned} through ``out``."""
     from sqlalchemy.orm import Session
 
     from outbox import Outbox
 
     settings = OutboxSettings(database_url=url, db_schema=schema)  # type: ignore[arg-type]
-    engine = sync_engine(settings)
+    # A steady load generator on a healthy local database: no pre-ping round trip per
+    # transaction (it would cost this process and PostgreSQL CPU the consumer competes for).
+    engine = sync_engine(settings, pool_pre_ping=False)
     ob = Outbox(settings)
-    committed: dict[str, float] = {}
+    committed: dict[str, tuple[float, float]] = {}
     total, begin = int(seconds * rate), time.perf_counter()
     for i in range(total):
         delay = begin + i / rate - time.perf_counter()
@@ -229,7 +236,7 @@ def outbox_producer(
                 event_type="order.created",
                 payload=payload_300b(i),
             )
-        committed[str(event_id)] = time.perf_counter()
+        committed[str(event_id)] = (time.perf_counter(), time.time())
     engine.dispose()
     out.send(committed)
     out.close()
@@ -237,11 +244,14 @@ def outbox_producer(
 
 async def relay_latency(
     settings: OutboxSettings, partitions: int, seconds: float, rate: int
-) -> list[float]:
-    """Sorted producer-commit -> handler-commit latencies (ms) through a relay process."""
+) -> tuple[list[float], list[float]]:
+    """Sorted producer-commit -> handler-commit latencies (ms) through a relay process, and
+    the sorted relay parts of them (producer commit -> broker append, wall clock ms)."""
     bootstrap = settings.kafka_bootstrap_servers
-    topic = await create_topic(bootstrap, partitions, prefix="bench-inbox")
-    seen: dict[tuple[int, int], str] = {}
+    topic = await create_topic(
+        bootstrap, partitions, {"message.timestamp.type": "LogAppendTime"}, prefix="bench-inbox"
+    )
+    seen: dict[tuple[int, int], tuple[str, int]] = {}
     app = make_app(f"bench-e2e-{uuid.uuid4().hex[:6]}", topic, "orm", seen)
     daemon = TimedDaemon(app, settings, Metrics(app.name))
     daemon.commits = []
@@ -277,20 +287,26 @@ async def relay_latency(
             if task.done():
                 await task
             await asyncio.sleep(0.05)
-        committed: dict[str, float] = receive.recv()
+        committed: dict[str, tuple[float, float]] = receive.recv()
         child.join()
         sent: dict[tuple[int, int], float] = {}
         while len(sent) < len(committed) or not _covered(daemon.commits, sent):
             if task.done():
                 await task
             await asyncio.sleep(0.02)
-            sent = {where: committed[eid] for where, eid in seen.items() if eid in committed}
+            sent = {
+                where: committed[eid][0] for where, (eid, _) in seen.items() if eid in committed
+            }
     finally:
         relay.terminate()
         await asyncio.wait_for(relay.wait(), 30)
         stop.set()
         await task
-    return sorted((at - sent[k]) * 1000 for k, at in _finished_at(daemon.commits, sent).items())
+    relay_part = sorted(
+        appended - committed[eid][1] * 1000 for eid, appended in seen.values() if eid in committed
+    )
+    total = sorted((at - sent[k]) * 1000 for k, at in _finished_at(daemon.commits, sent).items())
+    return total, relay_part
 
 
 async def latency(
@@ -401,7 +417,7 @@ async def main(args: argparse.Namespace) -> None:
             ("batch", "execute", args.events),
             ("event", "orm", args.events_per_event_mode),
         ]
-        for mode, handler, n in runs:
+        for mode, handler, n in runs if "throughput" in args.parts else []:
             s = settings.model_copy(update={"consumer": ConsumerSettings(transaction_per=mode)})
             topic = await create_topic(bootstrap, args.partitions, prefix="bench-inbox")
             await produce_all(bootstrap, topic, n)
@@ -412,26 +428,36 @@ async def main(args: argparse.Namespace) -> None:
                 f"{counted / elapsed:9,.0f} events/s ({counted:,} events in {elapsed:.2f} s, "
                 f"consumer CPU {cpu / counted * 1e6:.0f} us/event)"
             )
-        print(
-            "batch / per-event ratio (orm handler): "
-            f"{results['batch/orm'] / results['event/orm']:.1f}x"
-        )
-        lat, cpu_us = await latency(
-            settings, args.partitions, args.latency_seconds, args.rate, args.latency_handler
-        )
-        print(
-            f"latency at {args.rate}/s for {args.latency_seconds:.0f} s, handler "
-            f"{args.latency_handler} (Kafka produce -> handler DB commit, {len(lat):,} events, "
-            f"producer in its own process): p50 {pct(lat, 0.5):.1f} ms, "
-            f"p99 {pct(lat, 0.99):.1f} ms, max {lat[-1]:.1f} ms, "
-            f"mean {statistics.fmean(lat):.1f} ms; consumer CPU {cpu_us:.0f} us/event"
-        )
-        e2e = await relay_latency(settings, args.partitions, args.latency_seconds, args.rate)
-        print(
-            f"end to end at {args.rate}/s for {args.latency_seconds:.0f} s (producer commit -> "
-            f"relay -> Kafka -> handler DB commit, {len(e2e):,} events, one relay process): "
-            f"p50 {pct(e2e, 0.5):.1f} ms, p99 {pct(e2e, 0.99):.1f} ms, max {e2e[-1]:.1f} ms"
-        )
+        if results:
+            print(
+                "batch / per-event ratio (orm handler): "
+                f"{results['batch/orm'] / results['event/orm']:.1f}x"
+            )
+        if "latency" in args.parts:
+            lat, cpu_us = await latency(
+                settings, args.partitions, args.latency_seconds, args.rate, args.latency_handler
+            )
+            print(
+                f"latency at {args.rate}/s for {args.latency_seconds:.0f} s, handler "
+                f"{args.latency_handler} (Kafka produce -> handler DB commit, {len(lat):,} "
+                f"events, producer in its own process): p50 {pct(lat, 0.5):.1f} ms, "
+                f"p99 {pct(lat, 0.99):.1f} ms, max {lat[-1]:.1f} ms, "
+                f"mean {statistics.fmean(lat):.1f} ms; consumer CPU {cpu_us:.0f} us/event"
+            )
+        if "e2e" in args.parts:
+            e2e, part = await relay_latency(
+                settings, args.partitions, args.latency_seconds, args.rate
+            )
+            print(
+                f"end to end at {args.rate}/s for {args.latency_seconds:.0f} s (producer commit "
+                f"-> relay -> Kafka -> handler DB commit, {len(e2e):,} events, one relay "
+                f"process): p50 {pct(e2e, 0.5):.1f} ms, p99 {pct(e2e, 0.99):.1f} ms, "
+                f"max {e2e[-1]:.1f} ms"
+            )
+            print(
+                f"  of which producer commit -> broker append (relay): p50 {pct(part, 0.5):.1f} "
+                f"ms, p99 {pct(part, 0.99):.1f} ms (broker timestamps have 1 ms resolution)"
+            )
         print(f"after the runs: {load()}")
     finally:
         drop_schema(base)
@@ -445,4 +471,10 @@ if __name__ == "__main__":
     parser.add_argument("--latency-seconds", type=float, default=15)
     parser.add_argument("--rate", type=int, default=1_000)
     parser.add_argument("--latency-handler", choices=["orm", "execute"], default="orm")
+    parser.add_argument(
+        "--parts",
+        type=lambda v: set(v.split(",")),
+        default={"throughput", "latency", "e2e"},
+        help="comma-separated subset of throughput,latency,e2e (default: all)",
+    )
     aio.run(main(parser.parse_args()))

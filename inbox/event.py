@@ -22,6 +22,8 @@ class KafkaRecord(Protocol):
     @property
     def offset(self) -> int: ...
     @property
+    def timestamp(self) -> int: ...
+    @property
     def key(self) -> bytes | None: ...
     @property
     def value(self) -> bytes | None: ...
@@ -42,6 +44,9 @@ class InboxEvent:
     value: bytes | None
     headers: tuple[tuple[str, bytes], ...]
     malformed: str | None = None
+    # The record's Kafka timestamp, ms since the epoch (producer's or broker's clock,
+    # per the topic's message.timestamp.type).
+    timestamp_ms: int | None = None
 
     def header(self, name: str) -> str | None:
         """A header decoded as UTF-8 (the last one wins when repeated), or None."""
@@ -104,4 +109,5 @@ def decode(record: KafkaRecord) -> InboxEvent:
         value=record.value,
         headers=headers,
         malformed=problem,
+        timestamp_ms=record.timestamp,
     )

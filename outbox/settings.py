@@ -100,7 +100,12 @@ class RelaySettings(_Section):
     shutdown_grace_seconds: float = Field(
         5.0, gt=0, description="On SIGTERM, how long an in-flight batch may take to finish."
     )
-    linger_ms: int = Field(5, ge=0, description="Kafka producer linger (batching delay).")
+    linger_ms: int = Field(
+        0,
+        ge=0,
+        description="Kafka producer linger. Batches are built whole from each claim, so a "
+        "linger only delays them; 0 sends at once.",
+    )
     max_batch_bytes: int = Field(
         512 * 1024,
         ge=16 * 1024,

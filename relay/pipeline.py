@@ -51,6 +51,8 @@ from relay.waiting import sleep_unless
 log = logging.getLogger("relay.pipeline")
 
 _by_id = itemgetter(ID)
+# Poll at the shortest interval for this long after the last rows were claimed.
+_STAY_HOT_SECONDS = 1.0
 
 
 class Pipeline:
@@ -92,6 +94,8 @@ class Pipeline:
     async def run(self, stopping: asyncio.Event) -> None:
         r = self._settings.relay
         idle = r.min_poll_interval_seconds
+        loop = asyncio.get_running_loop()
+        last_rows = -_STAY_HOT_SECONDS
         db_failures = 0
         try:
             while not stopping.is_set():
@@ -131,11 +135,16 @@ class Pipeline:
                     raise SchemaMissing(
                         f"relay table missing ({exc.diag.message_primary})"
                     ) from None
-                if claimed >= r.batch_size:
-                    idle = r.min_poll_interval_seconds
-                elif claimed > 0:
-                    idle = r.min_poll_interval_seconds
-                    await sleep_unless(stopping, idle)
+                now = loop.time()
+                if claimed > 0:
+                    last_rows, idle = now, r.min_poll_interval_seconds
+                    if claimed < r.batch_size:
+                        await sleep_unless(stopping, idle)
+                elif now - last_rows < _STAY_HOT_SECONDS:
+                    # An empty poll amid a steady stream is a gap between events, not
+                    # the end of the stream: backing off here would add the backoff to
+                    # the next event's latency (tens of ms at the tail).
+                    await sleep_unless(stopping, r.min_poll_interval_seconds)
                 else:
                     await sleep_unless(stopping, idle)
                     idle = min(idle * 2, r.poll_interval_seconds)

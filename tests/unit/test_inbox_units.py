@@ -23,6 +23,7 @@ class Rec:
     key: bytes | None = b"k"
     value: bytes | None = b"{}"
     headers: tuple[tuple[str, bytes], ...] = ()
+    timestamp: int = 1_700_000_000_000
 
 
 class Thing(BaseModel):
@@ -32,6 +33,7 @@ class Thing(BaseModel):
 def test_decode_reads_cloudevents_headers() -> None:
     e = decode(Rec(headers=(("ce_id", b"abc"), ("ce_type", b"x.y"), ("ce_source", b"s"))))
     assert (e.event_id, e.event_type, e.source, e.malformed) == ("abc", "x.y", "s", None)
+    assert e.timestamp_ms == 1_700_000_000_000
 
 
 @pytest.mark.parametrize(
