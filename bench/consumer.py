@@ -56,6 +56,9 @@ from outbox.db import sync_engine
 from outbox.settings import ConsumerSettings, OutboxSettings
 
 TABLE = "bench_orders"
+# Latency runs send at the target rate for this long before measuring: the first events
+# after an idle period meet cold caches and a relay backed off to its longest poll interval.
+WARMUP_SECONDS = 1.0
 
 
 class Base(DeclarativeBase):
@@ -178,10 +181,11 @@ async def drain(
 
 
 def paced_producer(bootstrap: str, topic: str, rate: int, seconds: float, out: Connection) -> None:
-    """Child process: send ``rate * seconds`` records at a steady pace; report
-    {(partition, offset): monotonic send time} through ``out``."""
+    """Child process: send records at a steady pace for ``WARMUP_SECONDS + seconds``; report
+    how many, and {(partition, offset): monotonic send time} of those after the warm-up,
+    through ``out``."""
 
-    async def run() -> dict[tuple[int, int], float]:
+    async def run() -> tuple[int, dict[tuple[int, int], float]]:
         producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=0)
         await producer.start()
         sent: dict[tuple[int, int], float] = {}
@@ -190,10 +194,12 @@ def paced_producer(bootstrap: str, topic: str, rate: int, seconds: float, out: C
             key, value, headers = record(i)
             t0 = time.perf_counter()
             meta = await (await producer.send(topic, value, key=key, headers=headers))
-            sent[(meta.partition, meta.offset)] = t0
+            if i >= warm:
+                sent[(meta.partition, meta.offset)] = t0
 
         try:
-            total, begin, pending = int(seconds * rate), time.perf_counter(), []
+            warm = int(WARMUP_SECONDS * rate)
+            total, begin, pending = warm + int(seconds * rate), time.perf_counter(), []
             for i in range(total):
                 delay = begin + i / rate - time.perf_counter()
                 if delay > 0:
@@ -202,7 +208,7 @@ def paced_producer(bootstrap: str, topic: str, rate: int, seconds: float, out: C
             await asyncio.gather(*pending)
         finally:
             await producer.stop()
-        return sent
+        return total, sent
 
     out.send(asyncio.run(run()))
     out.close()
@@ -211,8 +217,9 @@ def paced_producer(bootstrap: str, topic: str, rate: int, seconds: float, out: C
 def outbox_producer(
     url: str, schema: str, topic: str, rate: int, seconds: float, out: Connection
 ) -> None:
-    """Child process: commit ``rate * seconds`` one-event transactions at a steady pace;
-    report {event_id: (monotonic, wall-clock) time the commit returned} through ``out``."""
+    """Child process: commit one-event transactions at a steady pace for ``WARMUP_SECONDS +
+    seconds``; report how many, and {event_id: (monotonic, wall-clock) time the commit
+    returned} of those after the warm-up, through ``out``."""
     from sqlalchemy.orm import Session
 
     from outbox import Outbox
@@ -223,7 +230,8 @@ def outbox_producer(
     engine = sync_engine(settings, pool_pre_ping=False)
     ob = Outbox(settings)
     committed: dict[str, tuple[float, float]] = {}
-    total, begin = int(seconds * rate), time.perf_counter()
+    warm = int(WARMUP_SECONDS * rate)
+    total, begin = warm + int(seconds * rate), time.perf_counter()
     for i in range(total):
         delay = begin + i / rate - time.perf_counter()
         if delay > 0:
@@ -236,9 +244,10 @@ def outbox_producer(
                 event_type="order.created",
                 payload=payload_300b(i),
             )
-        committed[str(event_id)] = (time.perf_counter(), time.time())
+        if i >= warm:
+            committed[str(event_id)] = (time.perf_counter(), time.time())
     engine.dispose()
-    out.send(committed)
+    out.send((total, committed))
     out.close()
 
 
@@ -287,16 +296,17 @@ async def relay_latency(
             if task.done():
                 await task
             await asyncio.sleep(0.05)
-        committed: dict[str, tuple[float, float]] = receive.recv()
+        total, committed = receive.recv()
         child.join()
-        sent: dict[tuple[int, int], float] = {}
-        while len(sent) < len(committed) or not _covered(daemon.commits, sent):
+        while len(seen) < total:
             if task.done():
                 await task
             await asyncio.sleep(0.02)
-            sent = {
-                where: committed[eid][0] for where, (eid, _) in seen.items() if eid in committed
-            }
+        sent = {where: committed[eid][0] for where, (eid, _) in seen.items() if eid in committed}
+        while not _covered(daemon.commits, sent):
+            if task.done():
+                await task
+            await asyncio.sleep(0.02)
     finally:
         relay.terminate()
         await asyncio.wait_for(relay.wait(), 30)
@@ -333,13 +343,13 @@ async def latency(
         if task.done():
             await task
         await asyncio.sleep(0.05)
-    sent: dict[tuple[int, int], float] = receive.recv()
+    total, sent = receive.recv()
     child.join()
     while not _covered(daemon.commits, sent):
         if task.done():
             await task
         await asyncio.sleep(0.02)
-    cpu_per_event = (cpu_seconds() - cpu0) / len(sent) * 1e6
+    cpu_per_event = (cpu_seconds() - cpu0) / total * 1e6
     print(
         f"  ({len(sent) / len(daemon.commits):.1f} events per partition per database commit on "
         "average; a shared transaction counts once for each partition it finished)"

@@ -14,14 +14,21 @@ Keeping that marker costs almost nothing on the hot path:
   partition, only this process writes it, and every write goes through this class, which
   updates the cache after the write committed (and forgets the cache when an error leaves
   the database state unknown).
-* A run's commit arms the marker for the *next* run already in hand (same transaction, no
-  extra commit), so back-to-back runs never write the marker on their own. Only a run that
-  was not armed ahead (the first after a pause in the stream) commits the marker alone
+* A run's commit arms the marker for the *next* run (same transaction, no extra commit):
+  exactly for the next run when it is already in hand, else for the next ``AHEAD``
+  offsets, whatever run starts there. So neither back-to-back runs nor the short runs of
+  a slow stream write the marker on their own; only a run the marker does not cover (one
+  longer than ``AHEAD`` after a pause, or the first after careful mode) commits it alone
   first, in one autocommit statement. The window between "marker says started" and the
   first handler is then the same as with a write right before the run: a few lines of
-  Python, never a wait. A run armed ahead that does not start after all (stop, rebalance)
-  is disarmed before the processor lets go of the partition, so the next owner does not
-  mistake it for a crash.
+  Python, never a wait. A marker armed ahead is disarmed before the processor lets go of
+  the partition (stop, rebalance), so the next owner does not mistake it for a crash.
+
+  The price of arming ahead: a process killed while *idle* leaves the marker armed for
+  up to ``AHEAD`` offsets that never ran. The next owner then handles those records in
+  careful mode (one per transaction), and should one of them kill the process on its
+  first attempt, that crash is charged the idle one as well, so it runs max_attempts - 1
+  times. A process killed mid-run is counted exactly as before.
 
 Fast path: one transaction per run: all inbox rows claimed in one statement, handlers run
 one after another, one commit. If anything raises, the transaction is rolled back and the
@@ -36,11 +43,12 @@ used up, dead-lettered without running again.
 
 Shared transaction (:func:`process_together`): when several partitions each have a small
 run ready at once, the per-transaction cost (claim, flush, commit; about all the CPU at a
-few events per run) is paid once for all of them. Each partition's marker is armed for its
-own run first (one autocommit statement for all), then one transaction claims every run,
-handles each partition's records in offset order and disarms every marker; offsets move
-only after that commit. A crash inside it leaves each partition's marker armed, exactly as
-concurrent per-partition runs would. If it fails, it is rolled back and every partition
+few events per run) is paid once for all of them. Each partition's marker must cover its
+run first (armed ahead by its previous commit, else armed now: one autocommit statement
+for all that need it), then one transaction claims every run, handles each partition's
+records in offset order and arms every marker ahead; offsets move only after that
+commit. A crash inside it leaves each partition's marker armed, exactly as concurrent
+per-partition runs would. If it fails, it is rolled back and every partition
 runs alone again (its marker is still armed for it, so that costs no marker write); the
 partition whose handler raised resumes from that failure as after a failed run of its own
 (first attempt counted), in its own lane so its retries block no other partition.
@@ -69,6 +77,9 @@ from outbox.settings import ConsumerSettings
 
 log = logging.getLogger("outbox.inbox")
 
+# How many offsets past a finished run its commit arms the marker for (see the docstring).
+AHEAD = 32
+
 # (after_offset, limit) -> up to ``limit`` queued records with a higher offset, in order.
 Queued = Callable[[int, int], Sequence[InboxEvent]]
 
@@ -88,8 +99,8 @@ class _Keep(enum.Enum):
 
 
 KEEP = _Keep.KEEP
-# What a run's commit does to the marker: arm it for the next run, disarm it (None), or KEEP.
-AtCommit = Marker | None | _Keep
+# What a run's commit does to the marker: arm it (for the next run, or ahead), or KEEP it.
+AtCommit = Marker | _Keep
 
 
 class _Unread(enum.Enum):
@@ -182,10 +193,6 @@ class PartitionProcessor:
                     run = following  # exactly the run the marker was armed for
                 else:
                     run = queued(run[n - 1].offset, size)
-            if self._ready is not None:
-                # Armed for a run that will not start now (stopping): disarm, or the next
-                # owner would take it for a crash and handle it in careful mode.
-                await self._finish_alone()
             return done
         except BaseException:
             # A failed or cancelled commit leaves the marker's durable state unknown.
@@ -196,9 +203,8 @@ class PartitionProcessor:
         self._marker, self._ready, self._failed = UNREAD, None, None
 
     async def release(self) -> None:
-        """Before letting go of the partition: disarm a marker armed for a run that was
-        not started (a shared transaction that failed), or the next owner would take it
-        for a crash."""
+        """Before letting go of the partition: disarm a marker armed ahead, or the next
+        owner would take it for a crash."""
         if self._ready is not None:
             try:
                 await self._finish_alone()
@@ -208,20 +214,23 @@ class PartitionProcessor:
 
     def ready_run(self, queued: Queued) -> Sequence[InboxEvent] | None:
         """Everything queued, if it can join a shared transaction: a short run (all the
-        partition has) on the fast path, no marker armed, nothing to recover or resume."""
+        partition has) on the fast path, its marker unarmed or armed by this process for
+        it, nothing to recover or resume."""
         if (
             self.config.transaction_per != "batch"
             or self.stopping.is_set()
             or isinstance(self._marker, _Unread)
-            or (self._marker is not None and self._marker.attempts > 0)
-            or self._ready is not None
             or self._failed is not None
         ):
             return None
         run = queued(-1, self.config.max_batch_records)
         if not run or queued(run[-1].offset, 1) or any(self._needs_policy(e) for e in run):
             return None
-        if len(run) == 1 and self._max_attempts(run[0]) < 2:
+        span = self._ready if _covers(self._ready, run) else None
+        if span is None and self._marker is not None and self._marker.attempts > 0:
+            return None  # armed by a crashed owner (recovery) or for another run
+        first, last = span or _span(run)
+        if first == last and self._max_attempts(run[0]) < 2:
             # A neighbour that kills the process charges this run's marker an attempt;
             # a one-record marker counts it against that record (a batch marker does not),
             # and with one attempt allowed it would be dead-lettered without running.
@@ -244,7 +253,7 @@ class PartitionProcessor:
     async def _step(self, run: Sequence[InboxEvent], following: Sequence[InboxEvent]) -> int:
         if self._ready is not None:
             # The marker is ours: skip writing it if it already covers exactly this run.
-            return await self._batch(run, following, marked=self._ready == _span(run))
+            return await self._batch(run, following, marked=_covers(self._ready, run))
         prev = self._marker
         assert not isinstance(prev, _Unread)
         if prev is not None and prev.attempts > 0:
@@ -295,18 +304,14 @@ class PartitionProcessor:
 
     async def _write_at_commit(self, session: AsyncSession, at_commit: AtCommit) -> None:
         """Add the marker change ``at_commit`` to the run's transaction."""
-        if at_commit is None:
-            await self.store.finish_marker(session, self.consumer, self.topic, self.partition)
-        elif not isinstance(at_commit, _Keep):
+        if not isinstance(at_commit, _Keep):
             await self.store.set_marker(
                 session, self.consumer, self.topic, self.partition, at_commit
             )
 
     def _committed(self, at_commit: AtCommit) -> None:
         """Mirror a committed ``at_commit`` in the cache."""
-        if at_commit is None:
-            self._finished()
-        elif not isinstance(at_commit, _Keep):
+        if not isinstance(at_commit, _Keep):
             self._marker = at_commit
             self._ready = _span_of(at_commit)
 
@@ -333,11 +338,11 @@ class PartitionProcessor:
 
         ``marked``: the durable marker already covers this run (else it is committed
         first). The run's commit arms the marker for ``following`` (the next run), or
-        disarms it when there is none — or leaves it alone (``keep``).
+        ahead of the run when there is none — or leaves it alone (``keep``).
         """
         if not marked:
             await self._mark(Marker(run[0].offset, run[-1].offset, 1, None), ready=True)
-        at_commit: AtCommit = None
+        at_commit: AtCommit = _ahead(run)
         if keep:
             at_commit = KEEP
         elif following:
@@ -648,6 +653,18 @@ def _span_of(marker: Marker) -> tuple[int, int]:
     return marker.start_offset, marker.end_offset
 
 
+def _covers(span: tuple[int, int] | None, run: Sequence[InboxEvent]) -> bool:
+    """Whether a marker armed for ``span`` covers ``run`` (it must start where the run
+    does: records before its start are not guarded by it)."""
+    return span is not None and span[0] == run[0].offset and run[-1].offset <= span[1]
+
+
+def _ahead(run: Sequence[InboxEvent]) -> Marker:
+    """The marker a run's commit leaves when the next run is not in hand yet."""
+    after = run[-1].offset + 1
+    return Marker(after, after + AHEAD - 1, 1, None)
+
+
 async def process_together(
     members: Sequence[tuple[PartitionProcessor, Sequence[InboxEvent]]],
 ) -> None:
@@ -657,15 +674,23 @@ async def process_together(
     lead = members[0][0]
     store, consumer = lead.store, lead.consumer
     try:
-        async with lead.autocommit.connect() as conn:
-            await store.arm_markers(
-                conn,
-                consumer,
-                [(p.topic, p.partition, run[0].offset, run[-1].offset) for p, run in members],
-            )
-        for p, run in members:
-            p._marker = Marker(run[0].offset, run[-1].offset, 1, None)
-            p._ready = _span(run)
+        # Most members' markers are armed ahead by their previous commit already.
+        unarmed = [(p, run) for p, run in members if not _covers(p._ready, run)]
+        if unarmed:
+            async with lead.autocommit.connect() as conn:
+                await store.arm_markers(
+                    conn,
+                    consumer,
+                    [(p.topic, p.partition, run[0].offset, run[-1].offset) for p, run in unarmed],
+                )
+            for p, run in unarmed:
+                p._marker = Marker(run[0].offset, run[-1].offset, 1, None)
+                p._ready = _span(run)
+        ahead = [_ahead(run) for _, run in members]
+        arm = [
+            (p.topic, p.partition, m.start_offset, m.end_offset)
+            for (p, _), m in zip(members, ahead, strict=True)
+        ]
         # The same event in two partitions: only the first copy is claimed.
         unique: dict[str, InboxEvent] = {}
         for _, run in members:
@@ -678,7 +703,7 @@ async def process_together(
                     await session.connection(),
                     consumer,
                     list(unique.values()),
-                    finish=[(p.topic, p.partition) for p, _ in members],
+                    arm=arm,
                 )
                 for p, run in members:
                     for event in run:
@@ -696,9 +721,9 @@ async def process_together(
         for p, _ in members:
             p._forget()
         raise
-    for p, run in members:
+    for (p, run), marker in zip(members, ahead, strict=True):
         new = sum(1 for e in run if e.event_id in fresh and unique[e.event_id] is e)
-        p._committed(None)
+        p._committed(marker)
         p.metrics.processed(new)
         p.metrics.duplicates(len(run) - new)
         await p._progress(run[-1])

@@ -211,10 +211,13 @@ class ConsumerDaemon:
 
     async def _committer(self) -> None:
         """Commit the newest finished offsets, coalesced: the handler path never waits for
-        a Kafka round trip, and one request covers every partition that moved."""
+        a Kafka round trip, and one request covers every partition that moved in the
+        last ``offset_commit_interval_ms``."""
+        pause = self.settings.consumer.offset_commit_interval_ms / 1000
         while True:
             await self._offsets_ready.wait()
             await self.flush_offsets()
+            await asyncio.sleep(pause)
 
     async def flush_offsets(self, only: Sequence[TopicPartition] | None = None) -> None:
         self._offsets_ready.clear()

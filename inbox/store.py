@@ -50,11 +50,11 @@ class Marker:
 
 @dataclass(frozen=True)
 class MarkerWrite:
-    """A change of one partition's attempt marker: set ``marker``, or disarm it (None)."""
+    """Set one partition's attempt marker to ``marker``."""
 
     topic: str
     partition: int
-    marker: Marker | None
+    marker: Marker
 
 
 @dataclass(frozen=True)
@@ -95,8 +95,7 @@ class InboxStore:
     tables: Tables
     _claim: Any = field(init=False, repr=False, compare=False)
     _claim_arm: Any = field(init=False, repr=False, compare=False)
-    _claim_finish: Any = field(init=False, repr=False, compare=False)
-    _claim_finish_many: Any = field(init=False, repr=False, compare=False)
+    _claim_arm_many: Any = field(init=False, repr=False, compare=False)
     _get_marker: Any = field(init=False, repr=False, compare=False)
     _set_marker: Any = field(init=False, repr=False, compare=False)
     _finish_marker: Any = field(init=False, repr=False, compare=False)
@@ -112,12 +111,8 @@ class InboxStore:
                 self._claim_statement().add_cte(self._set_marker_statement().cte("marker")),
             ),
             (
-                "_claim_finish",
-                self._claim_statement().add_cte(self._finish_marker_statement().cte("marker")),
-            ),
-            (
-                "_claim_finish_many",
-                self._claim_statement().add_cte(self._finish_markers_statement().cte("marker")),
+                "_claim_arm_many",
+                self._claim_statement().add_cte(self._set_markers_statement().cte("marker")),
             ),
             ("_get_marker", self._get_marker_statement()),
             ("_set_marker", self._set_marker_statement()),
@@ -201,7 +196,7 @@ class InboxStore:
         attempts: int = 1,
         last_error: str | None = None,
         marker: MarkerWrite | None = None,
-        finish: Sequence[tuple[str, int]] = (),
+        arm: Sequence[tuple[str, int, int, int]] = (),
     ) -> set[str]:
         """Insert inbox rows; return the event ids that were new (the others are duplicates).
 
@@ -214,20 +209,17 @@ class InboxStore:
 
         ``marker``: also write the partition's attempt marker, in the same statement (a
         data-modifying CTE), so that it commits with these rows and costs no round trip.
-        ``finish``: likewise disarm the markers of these (topic, partition)s.
+        ``arm``: likewise arm several partitions' markers, as :meth:`arm_markers` does.
         """
         if not events:
             return set()
         stmt, params = self._claim, {}
-        if finish:
+        if arm:
             assert marker is None
-            stmt, params = self._claim_finish_many, self._partitions(consumer, finish)
+            stmt, params = self._claim_arm_many, self._arm_params(consumer, arm)
         if marker is not None:
             key = {"m_consumer": consumer, "m_topic": marker.topic, "m_partition": marker.partition}
-            if marker.marker is None:
-                stmt, params = self._claim_finish, key
-            else:
-                stmt, params = self._claim_arm, key | self._marker_values(marker.marker)
+            stmt, params = self._claim_arm, key | self._marker_values(marker.marker)
         result = await db.execute(
             stmt,
             params
@@ -359,46 +351,23 @@ class InboxStore:
             },
         )
 
-    def _finish_markers_statement(self) -> Any:
-        t = self.tables.inbox_attempts
-        src = (
-            func.unnest(
-                bindparam("m_topics", type_=ARRAY(Text)),
-                bindparam("m_partitions", type_=ARRAY(Integer)),
-            )
-            .table_valued(column("topic"), column("partition"))
-            .render_derived(name="f")
-        )
-        return (
-            update(t)
-            .where(
-                t.c.consumer == bindparam("m_consumer"),
-                tuple_(t.c.topic, t.c.partition).in_(select(src.c.topic, src.c.partition)),
-                t.c.attempts != 0,
-            )
-            .values(attempts=0, last_error=None, updated_at=func.now())
-        )
-
-    @staticmethod
-    def _partitions(consumer: str, partitions: Sequence[tuple[str, int]]) -> dict[str, Any]:
-        return {
-            "m_consumer": consumer,
-            "m_topics": [topic for topic, _ in partitions],
-            "m_partitions": [partition for _, partition in partitions],
-        }
-
     async def arm_markers(
         self, db: Executor, consumer: str, runs: Sequence[tuple[str, int, int, int]]
     ) -> None:
         """Arm several partitions' markers in one statement: (topic, partition, start
         offset, end offset) each, one attempt, no error."""
-        params = self._partitions(consumer, [(t, p) for t, p, _, _ in runs])
-        params |= {
+        await db.execute(self._set_markers, self._arm_params(consumer, runs))
+
+    @staticmethod
+    def _arm_params(consumer: str, runs: Sequence[tuple[str, int, int, int]]) -> dict[str, Any]:
+        return {
+            "m_consumer": consumer,
+            "m_topics": [topic for topic, _, _, _ in runs],
+            "m_partitions": [partition for _, partition, _, _ in runs],
             "m_starts": [start for _, _, start, _ in runs],
             "m_ends": [end for _, _, _, end in runs],
             "m_attempts": 1,
         }
-        await db.execute(self._set_markers, params)
 
     async def finish_marker(self, db: Executor, consumer: str, topic: str, partition: int) -> None:
         """Mark the partition's run finished (in the run's own commit)."""

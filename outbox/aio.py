@@ -8,6 +8,7 @@ bounds latency on a busy host.
 from __future__ import annotations
 
 import asyncio
+import gc
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
@@ -24,5 +25,9 @@ def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
 
 def run(main: Coroutine[Any, Any, T]) -> T:
     """``asyncio.run`` on the fastest available loop."""
+    # What exists by now (modules, the application's handlers and models) lives as long as
+    # the process: out of the collector's reach, a full collection scans only what the
+    # daemon allocated since — a pause of ~1 ms instead of ~100 ms, a p99 hit otherwise.
+    gc.freeze()
     with asyncio.Runner(loop_factory=_loop_factory()) as runner:
         return runner.run(main)

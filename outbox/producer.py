@@ -78,7 +78,7 @@ class Outbox:
         if not rows:
             return []
         with translated_errors():
-            result = session.execute(self._store.insert_rows, self._store.insert_params(rows))
+            result = session.execute(*self._store.insert(rows))
             missing = self._not_inserted(rows, result.scalars())
             if missing or len({r.event_id for r in rows}) != len(rows):
                 stored = session.execute(self._store.fingerprints([r.event_id for r in rows]))
@@ -103,7 +103,7 @@ class Outbox:
         if not rows:
             return []
         with translated_errors():
-            result = await session.execute(self._store.insert_rows, self._store.insert_params(rows))
+            result = await session.execute(*self._store.insert(rows))
             missing = self._not_inserted(rows, result.scalars())
             if missing or len({r.event_id for r in rows}) != len(rows):
                 stored = await session.execute(self._store.fingerprints([r.event_id for r in rows]))

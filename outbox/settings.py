@@ -70,8 +70,9 @@ class RelaySettings(_Section):
     min_poll_interval_seconds: float = Field(
         0.005,
         gt=0,
-        description="Sleep after a partial batch; doubles on each empty poll up to "
-        "poll_interval_seconds.",
+        description="Shortest time between the starts of two claims while rows keep "
+        "coming; once the outbox has been empty for 1 s the sleep doubles on each empty poll "
+        "up to poll_interval_seconds.",
     )
     max_attempts: int = Field(
         5, ge=1, description="Permanent broker rejections before a row is moved to failed."
@@ -145,6 +146,13 @@ class ConsumerSettings(_Section):
     )
     fetch_timeout_ms: int = Field(
         100, ge=1, description="Longest wait for records in one fetch; bounds shutdown latency."
+    )
+    offset_commit_interval_ms: int = Field(
+        100,
+        ge=0,
+        description="Shortest gap between Kafka offset commits (finished offsets are "
+        "coalesced meanwhile). Effects are deduped by the inbox, so this only bounds how "
+        "much is re-read after a crash; revocation and shutdown commit at once.",
     )
     error_message_chars: int = Field(
         500, ge=16, description="Error messages in dead-letter headers are cut to this length."

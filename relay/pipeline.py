@@ -112,6 +112,7 @@ class Pipeline:
                             log.info(
                                 "database connection restored", extra={"pipeline": self._index}
                             )
+                    started = loop.time()
                     claimed = await self._batch(lanes)
                     db_failures = 0
                 except (
@@ -136,15 +137,19 @@ class Pipeline:
                         f"relay table missing ({exc.diag.message_primary})"
                     ) from None
                 now = loop.time()
+                # The short interval runs from the start of one claim to the next: the time
+                # a batch spent waiting for acks already counts towards it.
+                short = started + r.min_poll_interval_seconds - now
                 if claimed > 0:
                     last_rows, idle = now, r.min_poll_interval_seconds
-                    if claimed < r.batch_size:
-                        await sleep_unless(stopping, idle)
+                    if claimed < r.batch_size and short > 0:
+                        await sleep_unless(stopping, short)
                 elif now - last_rows < _STAY_HOT_SECONDS:
                     # An empty poll amid a steady stream is a gap between events, not
                     # the end of the stream: backing off here would add the backoff to
                     # the next event's latency (tens of ms at the tail).
-                    await sleep_unless(stopping, r.min_poll_interval_seconds)
+                    if short > 0:
+                        await sleep_unless(stopping, short)
                 else:
                     await sleep_unless(stopping, idle)
                     idle = min(idle * 2, r.poll_interval_seconds)

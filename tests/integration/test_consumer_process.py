@@ -113,6 +113,65 @@ async def test_handler_calling_os_exit_is_dead_lettered_after_n_runs(
     assert json.loads(dead.value)["seq"] == crash_at
 
 
+async def test_sigkill_while_idle_costs_a_crashing_record_one_run_and_loses_nothing(
+    settings: OutboxSettings,
+    engine: Engine,
+    new_topic: NewTopic,
+    kafka_bootstrap: str,
+    tmp_path: Path,
+) -> None:
+    """Each commit arms the marker ahead for the next records (no marker write per run), so
+    a consumer killed while idle looks like one that died in its next run: the next owner
+    handles the records armed for in careful mode, and charges that phantom run to the one
+    that then kills the process (documented in ``inbox/processor.py``)."""
+    topic = await new_topic()
+    table = effects_table(engine)
+    runs = tmp_path / "runs"
+    group = f"c-{uuid.uuid4().hex[:8]}"
+    env = subprocess_env(
+        settings,
+        INBOX_TEST_CONSUMER=group,
+        INBOX_TEST_TOPIC=topic,
+        INBOX_TEST_EFFECTS=table,
+        INBOX_TEST_RUNS_FILE=str(runs),
+        INBOX_TEST_MAX_ATTEMPTS="3",
+    )
+    await produce(kafka_bootstrap, topic, [rec(i) for i in (1, 2, 3)])
+    first = outbox_cli(["consume", TARGET], env)
+
+    async def idle_and_committed() -> bool:
+        return (await committed_offsets(kafka_bootstrap, group)).get((topic, 0)) == 3
+
+    await wait_for(idle_and_committed, what="first records applied and committed")
+    first.send_signal(signal.SIGKILL)
+    assert await _wait_exit(first) == -signal.SIGKILL
+
+    await produce(kafka_bootstrap, topic, [rec(4), rec(5, crash=True), rec(6)])
+    exits = []
+    for _ in range(5):  # a supervisor restarting the crashed consumer
+        proc = outbox_cli(["consume", TARGET], env)
+        try:
+            await wait_for(
+                lambda proc=proc: proc.poll() is not None or len(effect_counts(engine, table)) == 5,
+                timeout=60,
+                what="crash or completion",
+            )
+        finally:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+            exits.append(await _wait_exit(proc))
+        if len(effect_counts(engine, table)) == 5:
+            break
+    assert exits[-1] == 0, proc.stderr.read().decode() if proc.stderr else ""
+    assert exits[:-1] == [3, 3]
+    assert len(runs.read_text().split()) == 2  # max_attempts - 1 real runs
+    assert set(effect_counts(engine, table).values()) == {1}  # 1-4 and 6, once each
+    [dead] = await read_all(kafka_bootstrap, topic + ".dlq", expect=1)
+    assert dead.headers["dlq_error_class"] == b"ProcessCrashed"
+    assert dead.headers["dlq_attempts"] == b"3"
+    assert json.loads(dead.value)["seq"] == 5
+
+
 async def test_sigkill_between_db_commit_and_offset_commit_applies_once(
     settings: OutboxSettings,
     engine: Engine,

@@ -21,6 +21,7 @@ from tests.support.inbox import (
     ce_headers,
     committed_offsets,
     effect_counts,
+    effect_rows,
     effects_table,
     produce,
     wait_for,
@@ -354,3 +355,59 @@ async def test_missing_source_topic_fails_clearly(settings: OutboxSettings) -> N
     with pytest.raises(TopicMissing, match="does not exist"):
         async with RunningConsumer(app, settings):
             pass
+
+
+async def test_members_joining_and_leaving_mid_stream_lose_nothing_and_keep_key_order(
+    settings: OutboxSettings, engine: Engine, new_topic: NewTopic, kafka_bootstrap: str
+) -> None:
+    """A second member joins while the first is mid-run (its partitions are revoked with
+    batches and shared transactions in flight), then the first leaves mid-stream."""
+    import asyncio
+
+    topic = await new_topic(partitions=6)
+    table = effects_table(engine)
+    app = inbox.Consumer(name=name(), topics=[topic])
+
+    @app.handler("test.event")
+    async def handle(event: Thing, session: AsyncSession) -> None:
+        await session.execute(
+            text(f"INSERT INTO {table} (event_id, key, seq) VALUES (:e, :k, :s)"),
+            {"e": str(event.seq), "k": event.key, "s": event.seq},
+        )
+        await asyncio.sleep(0.001)  # keeps runs in flight when partitions are revoked
+
+    total = 3000
+
+    async def stream() -> None:
+        for start in range(0, total, 100):  # ~3 s of traffic
+            await produce(kafka_bootstrap, topic, [record(i) for i in range(start, start + 100)])
+            await asyncio.sleep(0.1)
+
+    s = fast_settings(settings)
+    first, second = RunningConsumer(app, s), RunningConsumer(app, s)
+    await first.__aenter__()
+    try:
+        await wait_for(first.assigned, what="first member assigned")
+        producing = asyncio.create_task(stream())
+        await wait_for(lambda: first.metrics.counts["processed"] > 200, what="first batches")
+        await second.__aenter__()
+        await wait_for(second.assigned, what="second member assigned")
+        await wait_for(lambda: second.metrics.counts["processed"] > 100, what="second batches")
+    finally:
+        await first.__aexit__(None, None, None)  # leaves mid-stream
+    try:
+        await producing
+        await wait_for(lambda: len(effect_counts(engine, table)) >= total, what="all effects")
+    finally:
+        await second.__aexit__(None, None, None)
+    assert first.metrics.counts["processed"] > 0 and second.metrics.counts["processed"] > 0
+    counts = effect_counts(engine, table)
+    assert set(counts) == {str(i) for i in range(total)}  # none lost
+    assert set(counts.values()) == {1}  # none applied twice
+    last: dict[str | None, int] = {}
+    out_of_order = 0
+    for _, key, seq in effect_rows(engine, table):
+        assert seq is not None
+        out_of_order += seq < last.get(key, -1)
+        last[key] = seq
+    assert out_of_order == 0

@@ -145,6 +145,44 @@ def test_publish_many_10k_rows_is_one_statement(engine: Engine, ob: Outbox) -> N
     assert [r.payload for r in rows] == [f'{{"n":{n}}}'.encode() for n in range(10_000)]
 
 
+def test_one_event_and_a_batch_store_the_same_row(engine: Engine, ob: Outbox) -> None:
+    """``publish`` of one event uses a scalar INSERT, ``publish_many`` the unnest one; both
+    must write identical rows."""
+    topic = _topic()
+    fields = {
+        "topic": topic,
+        "key": "cus-1",
+        "event_type": "order.created",
+        "payload": {"order_id": 1, "note": "ü"},
+        "headers": {"traceparent": "00-abc-def-01"},
+        "source": "urn:shop",
+        "delay_seconds": 0.5,
+    }
+    one, two = uuid.uuid4(), uuid.uuid4()
+    with Session(engine) as session, session.begin():
+        ob.publish(session, event_id=one, **fields)  # type: ignore[arg-type]
+        ob.publish_many(
+            session,
+            [Message(event_id=two, **fields), Message(topic=topic, event_type="x", payload={})],  # type: ignore[arg-type]
+        )
+    t = ob.tables.events
+    compared = [c for c in t.c if c.name not in ("id", "event_id", "created_at", "available_at")]
+    with engine.connect() as conn:
+        rows = {
+            r.event_id: r
+            for r in conn.execute(
+                select(
+                    t.c.event_id, (t.c.available_at - t.c.created_at).label("delay"), *compared
+                ).where(t.c.event_id.in_([one, two]))
+            )
+        }
+    assert rows[one]._mapping.keys() == rows[two]._mapping.keys()
+    assert {k: v for k, v in rows[one]._mapping.items() if k != "event_id"} == {
+        k: v for k, v in rows[two]._mapping.items() if k != "event_id"
+    }
+    assert rows[one].delay.total_seconds() == pytest.approx(0.5, abs=0.05)
+
+
 def test_duplicate_event_id_same_payload_is_a_noop(engine: Engine, ob: Outbox) -> None:
     topic = _topic()
     eid = idempotency_key("order", 7, "created")
