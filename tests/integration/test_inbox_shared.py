@@ -6,6 +6,7 @@ import asyncio
 import json
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
 
 import pytest
 from aiokafka import AIOKafkaProducer
@@ -15,6 +16,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 import inbox
 import inbox.runner
+import inbox.store
 from inbox import Retryable
 from inbox.event import InboxEvent
 from inbox.processor import PartitionProcessor
@@ -116,3 +118,54 @@ async def test_a_failing_handler_in_a_shared_transaction_is_retried_alone_in_its
             {"c": app.name},
         ).scalar_one()
     assert armed == 0
+
+
+async def test_a_slow_stream_writes_no_attempt_marker_of_its_own_after_the_first_run(
+    settings: OutboxSettings,
+    engine: Engine,
+    new_topic: NewTopic,
+    kafka_bootstrap: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each commit arms the marker ahead, so runs after the first cost no extra commit."""
+    topic = await new_topic(partitions=PARTITIONS)
+    table = effects_table(engine)
+    app = inbox.Consumer(name=f"c-{uuid.uuid4().hex[:10]}", topics=[topic])
+
+    @app.handler("test.event")
+    async def handle(event: Thing, session: AsyncSession) -> None:
+        await session.execute(
+            text(f"INSERT INTO {table} (event_id, key, seq) VALUES (:e, :k, :s)"),
+            {"e": str(event.seq), "k": event.key, "s": event.seq},
+        )
+
+    own_writes: list[int] = []  # partitions whose marker was committed on its own
+    mark, arm = PartitionProcessor._mark, inbox.store.InboxStore.arm_markers
+
+    async def spy_mark(self: PartitionProcessor, *args: Any, **kw: Any) -> None:
+        own_writes.append(self.partition)
+        await mark(self, *args, **kw)
+
+    async def spy_arm(self: Any, db: Any, consumer: str, runs: Any) -> None:
+        own_writes.extend(p for _, p, _, _ in runs)
+        await arm(self, db, consumer, runs)
+
+    monkeypatch.setattr(PartitionProcessor, "_mark", spy_mark)
+    monkeypatch.setattr(inbox.store.InboxStore, "arm_markers", spy_arm)
+    async with RunningConsumer(app, settings) as c:
+        await wait_for(c.assigned, what="assignment")
+        producer = AIOKafkaProducer(bootstrap_servers=kafka_bootstrap)
+        await producer.start()
+        try:
+            for seq in range(WAVES * PARTITIONS):
+                body = json.dumps({"key": "k", "seq": seq}).encode()
+                headers = ce_headers(str(uuid.uuid4()))
+                await producer.send_and_wait(
+                    topic, body, partition=seq % PARTITIONS, headers=headers
+                )
+                await wait_for(lambda seq=seq: c.metrics.counts["processed"] > seq, what="run")
+        finally:
+            await producer.stop()
+    assert len(effect_counts(engine, table)) == WAVES * PARTITIONS
+    # One run at a time, WAVES per partition: only each partition's first wrote on its own.
+    assert sorted(own_writes) == list(range(PARTITIONS))
