@@ -24,11 +24,13 @@ Keeping that marker costs almost nothing on the hot path:
   Python, never a wait. A marker armed ahead is disarmed before the processor lets go of
   the partition (stop, rebalance), so the next owner does not mistake it for a crash.
 
-  The price of arming ahead: a process killed while *idle* leaves the marker armed for
-  up to ``AHEAD`` offsets that never ran. The next owner then handles those records in
-  careful mode (one per transaction), and should one of them kill the process on its
-  first attempt, that crash is charged the idle one as well, so it runs max_attempts - 1
-  times. A process killed mid-run is counted exactly as before.
+  The price of arming ahead: a process that dies — killed, or killed by a handler of
+  *another* partition — leaves every partition it owns armed, for up to ``AHEAD``
+  offsets that may never have run. The next owner handles those records in careful mode
+  (one per transaction), and should one of them kill the process on its first attempt
+  there, that crash is charged the phantom run as well: such a record runs
+  max_attempts - 1 times instead of max_attempts. A record whose own run killed the
+  process is counted exactly (max_attempts runs).
 
 Fast path: one transaction per run: all inbox rows claimed in one statement, handlers run
 one after another, one commit. If anything raises, the transaction is rolled back and the
@@ -205,9 +207,14 @@ class PartitionProcessor:
     async def release(self) -> None:
         """Before letting go of the partition: disarm a marker armed ahead, or the next
         owner would take it for a crash."""
-        if self._ready is not None:
+        span = self._ready
+        if span is not None:
             try:
-                await self._finish_alone()
+                async with self.autocommit.connect() as conn:
+                    await self.store.disarm_marker(
+                        conn, self.consumer, self.topic, self.partition, span
+                    )
+                self._finished()
             except BaseException:
                 self._forget()
                 raise
@@ -296,11 +303,6 @@ class PartitionProcessor:
             await self.store.set_marker(conn, self.consumer, self.topic, self.partition, marker)
         self._marker = marker
         self._ready = (marker.start_offset, marker.end_offset) if ready else None
-
-    async def _finish_alone(self) -> None:
-        async with self.autocommit.connect() as conn:
-            await self.store.finish_marker(conn, self.consumer, self.topic, self.partition)
-        self._finished()
 
     async def _write_at_commit(self, session: AsyncSession, at_commit: AtCommit) -> None:
         """Add the marker change ``at_commit`` to the run's transaction."""

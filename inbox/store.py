@@ -99,6 +99,7 @@ class InboxStore:
     _get_marker: Any = field(init=False, repr=False, compare=False)
     _set_marker: Any = field(init=False, repr=False, compare=False)
     _finish_marker: Any = field(init=False, repr=False, compare=False)
+    _disarm_marker: Any = field(init=False, repr=False, compare=False)
     _set_markers: Any = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -117,6 +118,7 @@ class InboxStore:
             ("_get_marker", self._get_marker_statement()),
             ("_set_marker", self._set_marker_statement()),
             ("_finish_marker", self._finish_marker_statement()),
+            ("_disarm_marker", self._disarm_marker_statement()),
             ("_set_markers", self._set_markers_statement()),
         ):
             object.__setattr__(self, name, stmt)
@@ -283,6 +285,20 @@ class InboxStore:
             .values(attempts=0, last_error=None, updated_at=func.now())
         )
 
+    def _disarm_marker_statement(self) -> Any:
+        t = self.tables.inbox_attempts
+        return (
+            update(t)
+            .where(
+                self._marker_key(),
+                t.c.start_offset == bindparam("m_start_offset", type_=BigInteger),
+                t.c.end_offset == bindparam("m_end_offset", type_=BigInteger),
+                t.c.attempts == 1,
+                t.c.last_error.is_(None),
+            )
+            .values(attempts=0, updated_at=func.now())
+        )
+
     async def marker(
         self, db: Executor, consumer: str, topic: str, partition: int
     ) -> Marker | None:
@@ -373,6 +389,17 @@ class InboxStore:
         """Mark the partition's run finished (in the run's own commit)."""
         key = {"m_consumer": consumer, "m_topic": topic, "m_partition": partition}
         await db.execute(self._finish_marker, key)
+
+    async def disarm_marker(
+        self, db: Executor, consumer: str, topic: str, partition: int, span: tuple[int, int]
+    ) -> None:
+        """Disarm the marker only if it is still the one armed for ``span`` (one attempt,
+        no error): a member letting go late must not erase the count of the partition's
+        new owner (who may be retrying a record that killed a process)."""
+        key = {"m_consumer": consumer, "m_topic": topic, "m_partition": partition}
+        await db.execute(
+            self._disarm_marker, key | {"m_start_offset": span[0], "m_end_offset": span[1]}
+        )
 
     # ---------------------------------------------------------------- dead letters
 

@@ -132,11 +132,26 @@ async def test_a_slow_stream_writes_no_attempt_marker_of_its_own_after_the_first
     table = effects_table(engine)
     app = inbox.Consumer(name=f"c-{uuid.uuid4().hex[:10]}", topics=[topic])
 
+    attempts_table = f"{settings.db_schema}.{settings.table_prefix}inbox_attempts"
+    uncovered: list[int] = []  # offsets whose handler ran without a durable marker over them
+
     @app.handler("test.event")
-    async def handle(event: Thing, session: AsyncSession) -> None:
+    async def handle(event: inbox.InboxEvent, session: AsyncSession) -> None:
+        with engine.connect() as conn:  # what a crash right now would leave behind
+            marker = conn.execute(
+                text(
+                    f"SELECT start_offset, end_offset, attempts FROM {attempts_table} "
+                    "WHERE consumer = :c AND topic = :t AND partition = :p"
+                ),
+                {"c": app.name, "t": event.topic, "p": event.partition},
+            ).one_or_none()
+        armed = marker is not None and marker.attempts >= 1
+        if not (armed and marker.start_offset <= event.offset <= marker.end_offset):
+            uncovered.append(event.offset)
+        thing = Thing.model_validate_json(event.value or b"")
         await session.execute(
             text(f"INSERT INTO {table} (event_id, key, seq) VALUES (:e, :k, :s)"),
-            {"e": str(event.seq), "k": event.key, "s": event.seq},
+            {"e": str(thing.seq), "k": thing.key, "s": thing.seq},
         )
 
     own_writes: list[int] = []  # partitions whose marker was committed on its own
@@ -167,5 +182,13 @@ async def test_a_slow_stream_writes_no_attempt_marker_of_its_own_after_the_first
         finally:
             await producer.stop()
     assert len(effect_counts(engine, table)) == WAVES * PARTITIONS
+    assert uncovered == []
     # One run at a time, WAVES per partition: only each partition's first wrote on its own.
     assert sorted(own_writes) == list(range(PARTITIONS))
+    # A clean stop disarms what was armed ahead (the next owner must not see a crash).
+    with engine.connect() as conn:
+        armed = conn.execute(
+            text(f"SELECT count(*) FROM {attempts_table} WHERE consumer = :c AND attempts <> 0"),
+            {"c": app.name},
+        ).scalar_one()
+    assert armed == 0
