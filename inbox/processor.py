@@ -26,11 +26,12 @@ Keeping that marker costs almost nothing on the hot path:
 
   The price of arming ahead: a process that dies — killed, or killed by a handler of
   *another* partition — leaves every partition it owns armed, for up to ``AHEAD``
-  offsets that may never have run. The next owner handles those records in careful mode
-  (one per transaction), and should one of them kill the process on its first attempt
-  there, that crash is charged the phantom run as well: such a record runs
-  max_attempts - 1 times instead of max_attempts. A record whose own run killed the
-  process is counted exactly (max_attempts runs).
+  offsets that may never have run, unless the partition had been quiet for
+  ``disarm_idle_seconds`` (its lane then disarms the marker, off the hot path). The
+  next owner handles those records in careful mode (one per transaction), and should one
+  of them kill the process on its first attempt there, that crash is charged the phantom
+  run as well: such a record runs max_attempts - 1 times instead of max_attempts. A
+  record whose own run killed the process is counted exactly (max_attempts runs).
 
 Fast path: one transaction per run: all inbox rows claimed in one statement, handlers run
 one after another, one commit. If anything raises, the transaction is rolled back and the
@@ -154,6 +155,10 @@ class PartitionProcessor:
     # has not started yet, or started without it killing the process: such a marker is
     # ours, not evidence of a crash.
     _ready: tuple[int, int] | None = field(default=None, init=False)
+    # Spans this process armed (one attempt, no error) whose write may have reached the
+    # database. When an error leaves the durable state unknown, a marker re-read with one
+    # of these spans is ours: a process that is still alive did not crash under it.
+    _mine: set[tuple[int, int]] = field(default_factory=set, init=False)
     # (offset, error) of the handler that failed in a shared transaction, to resume from.
     _failed: tuple[int, Exception] | None = field(default=None, init=False)
 
@@ -174,8 +179,16 @@ class PartitionProcessor:
         budget = 4 * self.config.max_batch_records
         try:
             if self._marker is UNREAD:
-                self._marker = await self._read_marker()
+                self._marker = marker = await self._read_marker()
                 self._ready = None
+                if (
+                    marker is not None
+                    and marker.attempts == 1
+                    and marker.last_error is None
+                    and _span_of(marker) in self._mine
+                ):
+                    self._ready = _span_of(marker)
+                self._mine = {self._ready} if self._ready else set()
             done = 0
             run = queued(-1, size)
             if self._failed is not None and run:
@@ -205,19 +218,25 @@ class PartitionProcessor:
         self._marker, self._ready, self._failed = UNREAD, None, None
 
     async def release(self) -> None:
-        """Before letting go of the partition: disarm a marker armed ahead, or the next
-        owner would take it for a crash."""
-        span = self._ready
-        if span is not None:
-            try:
-                async with self.autocommit.connect() as conn:
+        """Disarm a marker armed ahead: before letting go of the partition (or the next
+        owner would take it for a crash), or when the partition has gone quiet."""
+        if not self._mine:
+            return
+        try:
+            async with self.autocommit.connect() as conn:
+                for span in self._mine:  # one, or two when an error hid which one is durable
                     await self.store.disarm_marker(
                         conn, self.consumer, self.topic, self.partition, span
                     )
-                self._finished()
-            except BaseException:
-                self._forget()
-                raise
+            self._finished()
+        except BaseException:
+            self._forget()
+            raise
+
+    @property
+    def armed_ahead(self) -> bool:
+        """Whether a marker this process armed may still be set (see :meth:`release`)."""
+        return bool(self._mine)
 
     def ready_run(self, queued: Queued) -> Sequence[InboxEvent] | None:
         """Everything queued, if it can join a shared transaction: a short run (all the
@@ -298,11 +317,16 @@ class PartitionProcessor:
             return await self.store.marker(conn, self.consumer, self.topic, self.partition)
 
     async def _mark(self, marker: Marker, *, ready: bool = False) -> None:
-        """Commit ``marker`` on its own, before the handlers it guards run."""
+        """Commit ``marker`` on its own, before the handlers it guards run. ``ready``: it
+        is armed for a fast-path run (else it counts a careful attempt)."""
+        if ready:
+            self._mine.add(_span_of(marker))
         async with self.autocommit.connect() as conn:
             await self.store.set_marker(conn, self.consumer, self.topic, self.partition, marker)
-        self._marker = marker
-        self._ready = (marker.start_offset, marker.end_offset) if ready else None
+        if ready:
+            self._committed(marker)
+        else:
+            self._marker, self._ready, self._mine = marker, None, set()
 
     async def _write_at_commit(self, session: AsyncSession, at_commit: AtCommit) -> None:
         """Add the marker change ``at_commit`` to the run's transaction."""
@@ -316,11 +340,12 @@ class PartitionProcessor:
         if not isinstance(at_commit, _Keep):
             self._marker = at_commit
             self._ready = _span_of(at_commit)
+            self._mine = {self._ready}
 
     def _finished(self) -> None:
         if isinstance(self._marker, Marker):
             self._marker = replace(self._marker, attempts=0, last_error=None)
-        self._ready = None
+        self._ready, self._mine = None, set()
 
     # -------------------------------------------------------------- batch paths
 
@@ -357,6 +382,8 @@ class PartitionProcessor:
         return result
 
     async def _chunk(self, chunk: Sequence[InboxEvent], at_commit: AtCommit) -> int | _RetryAlone:
+        if not isinstance(at_commit, _Keep):
+            self._mine.add(_span_of(at_commit))
         if not any(self._needs_policy(e) for e in chunk):
             try:
                 return await self._fast(chunk, at_commit)
@@ -678,6 +705,8 @@ async def process_together(
     try:
         # Most members' markers are armed ahead by their previous commit already.
         unarmed = [(p, run) for p, run in members if not _covers(p._ready, run)]
+        for p, run in unarmed:
+            p._mine.add(_span(run))
         if unarmed:
             async with lead.autocommit.connect() as conn:
                 await store.arm_markers(
@@ -686,9 +715,10 @@ async def process_together(
                     [(p.topic, p.partition, run[0].offset, run[-1].offset) for p, run in unarmed],
                 )
             for p, run in unarmed:
-                p._marker = Marker(run[0].offset, run[-1].offset, 1, None)
-                p._ready = _span(run)
+                p._committed(Marker(run[0].offset, run[-1].offset, 1, None))
         ahead = [_ahead(run) for _, run in members]
+        for (p, _), m in zip(members, ahead, strict=True):
+            p._mine.add(_span_of(m))
         arm = [
             (p.topic, p.partition, m.start_offset, m.end_offset)
             for (p, _), m in zip(members, ahead, strict=True)

@@ -310,10 +310,17 @@ class _Lane:
     async def work(self) -> None:
         stopping = self.processor.stopping
         failures = 0
+        rest = self.daemon.settings.consumer.disarm_idle_seconds
         while not stopping.is_set():
             if not self.events:
                 self.wake.clear()
-                await self.wake.wait()
+                if rest and self.processor.armed_ahead:
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self.wake.wait(), rest)
+                    if not self.wake.is_set():
+                        await self._rest()
+                else:
+                    await self.wake.wait()
                 continue
             async with self.daemon._slots:
                 await self._wait_idle()
@@ -355,6 +362,27 @@ class _Lane:
                 "could not disarm the attempt marker",
                 extra={"partition": str(self.tp), "error": type(exc).__name__},
             )
+
+    async def _rest(self) -> None:
+        """The partition went quiet: disarm the marker its last commit armed ahead, so that
+        a crash of this process (say, a handler of another partition killing it) does not
+        make this partition look as if a batch had died in it."""
+        if self.busy or self.events:
+            return
+        self.busy = True
+        try:
+            await self.processor.release()
+        except Exception as exc:
+            if not _transient(exc):
+                raise
+            # Still armed: the next commit, quiet spell or release tries again.
+            log.warning(
+                "could not disarm the attempt marker",
+                extra={"partition": str(self.tp), "error": type(exc).__name__},
+            )
+        finally:
+            self.busy = False
+            self.idle.set()
 
     async def _wait_idle(self) -> None:
         while self.busy:

@@ -154,6 +154,13 @@ class ConsumerSettings(_Section):
         "coalesced meanwhile). Effects are deduped by the inbox, so this only bounds how "
         "much is re-read after a crash; revocation and shutdown commit at once.",
     )
+    disarm_idle_seconds: float = Field(
+        1.0,
+        ge=0,
+        description="A partition idle this long disarms the attempt marker its last commit "
+        "armed ahead, so that a crash elsewhere in the process is not charged to its next "
+        "records; 0 = keep it armed (no write when a stream pauses).",
+    )
     error_message_chars: int = Field(
         500, ge=16, description="Error messages in dead-letter headers are cut to this length."
     )
