@@ -1,6 +1,6 @@
 """Relay benchmark: throughput of 1, 2 and 4 relay processes draining a backlog, against
-a naive relay and the raw database ceiling measured in the same run; commit-to-ack latency
-at a steady rate; and the cost of a NOTIFY trigger on producer commits.
+a naive relay and the raw database ceiling measured in the same run; commit-to-append
+latency at a steady rate; and the cost of a NOTIFY trigger on producer commits.
 
     python -m bench.relay                       # defaults: 200,000 rows, ~2-3 minutes
     python -m bench.relay --rows 50000 --relays 1,2
@@ -395,8 +395,8 @@ def main() -> None:
             )
         p50, p99, count = asyncio.run(latency(settings, args.rate, args.latency_seconds, logs))
         print(
-            f"commit-to-ack latency at {args.rate} events/s ({count} events, 1 relay): "
-            f"p50 {p50:.1f} ms, p99 {p99:.1f} ms"
+            f"commit-to-append latency (broker LogAppendTime) at {args.rate} events/s "
+            f"({count} events, 1 relay): p50 {p50:.1f} ms, p99 {p99:.1f} ms"
         )
         cost = notify_cost(settings, 8, 5)
         if cost:
