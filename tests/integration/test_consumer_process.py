@@ -49,6 +49,33 @@ async def _wait_exit(proc: subprocess.Popen[bytes], within: float = 60) -> int:
     return proc.returncode
 
 
+async def _supervise(
+    env: dict[str, str], engine: Engine, table: str, *, effects: int, restarts: int
+) -> list[int]:
+    """Restart the consumer after each crash, like a supervisor, until ``effects`` effects
+    are applied; then stop it with SIGTERM. Returns the crashed runs' exit codes (the last
+    run must exit 0)."""
+    exits = []
+    for _ in range(restarts):
+        proc = outbox_cli(["consume", TARGET], env)
+        try:
+            await wait_for(
+                lambda proc=proc: (
+                    proc.poll() is not None or len(effect_counts(engine, table)) == effects
+                ),
+                timeout=60,
+                what="crash or completion",
+            )
+        finally:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+            exits.append(await _wait_exit(proc))
+        if len(effect_counts(engine, table)) == effects:
+            break
+    assert exits[-1] == 0, proc.stderr.read().decode() if proc.stderr else ""
+    return exits[:-1]
+
+
 # The crashing record sits in the first run (its marker committed on its own), or in a
 # later run whose marker the previous run's commit armed ahead (small batches, and one
 # transaction per event).
@@ -88,23 +115,8 @@ async def test_handler_calling_os_exit_is_dead_lettered_after_n_runs(
         topic,
         [rec(i, crash=True) if i == crash_at else rec(i) for i in (1, 2, 3, 4)],
     )
-    exits = []
-    for _ in range(6):  # a supervisor restarting the crashed consumer
-        proc = outbox_cli(["consume", TARGET], env)
-        try:
-            await wait_for(
-                lambda proc=proc: proc.poll() is not None or len(effect_counts(engine, table)) == 3,
-                timeout=60,
-                what="crash or completion",
-            )
-        finally:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-            exits.append(await _wait_exit(proc))
-        if len(effect_counts(engine, table)) == 3:
-            break
-    assert exits[-1] == 0, proc.stderr.read().decode() if proc.stderr else ""
-    assert exits[:-1] == [3, 3, 3]
+    exits = await _supervise(env, engine, table, effects=3, restarts=6)
+    assert exits == [3, 3, 3]
     assert len(runs.read_text().split()) == 3  # exactly N runs of the crashing handler
     assert set(effect_counts(engine, table).values()) == {1}
     [dead] = await read_all(kafka_bootstrap, topic + ".dlq", expect=1)
@@ -157,23 +169,8 @@ async def test_sigkill_while_idle_loses_nothing_and_charges_at_most_one_phantom_
     assert await _wait_exit(first) == -signal.SIGKILL
 
     await produce(kafka_bootstrap, topic, [rec(4), rec(5, crash=True), rec(6)])
-    exits = []
-    for _ in range(5):  # a supervisor restarting the crashed consumer
-        proc = outbox_cli(["consume", TARGET], env)
-        try:
-            await wait_for(
-                lambda proc=proc: proc.poll() is not None or len(effect_counts(engine, table)) == 5,
-                timeout=60,
-                what="crash or completion",
-            )
-        finally:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-            exits.append(await _wait_exit(proc))
-        if len(effect_counts(engine, table)) == 5:
-            break
-    assert exits[-1] == 0, proc.stderr.read().decode() if proc.stderr else ""
-    assert exits[:-1] == [3] * runs_of_crasher
+    exits = await _supervise(env, engine, table, effects=5, restarts=5)
+    assert exits == [3] * runs_of_crasher
     assert len(runs.read_text().split()) == runs_of_crasher
     assert set(effect_counts(engine, table).values()) == {1}  # 1-4 and 6, once each
     [dead] = await read_all(kafka_bootstrap, topic + ".dlq", expect=1)
