@@ -717,12 +717,10 @@ async def process_together(
             for p, run in unarmed:
                 p._committed(Marker(run[0].offset, run[-1].offset, 1, None))
         ahead = [_ahead(run) for _, run in members]
+        arm = []
         for (p, _), m in zip(members, ahead, strict=True):
             p._mine.add(_span_of(m))
-        arm = [
-            (p.topic, p.partition, m.start_offset, m.end_offset)
-            for (p, _), m in zip(members, ahead, strict=True)
-        ]
+            arm.append((p.topic, p.partition, m.start_offset, m.end_offset))
         # The same event in two partitions: only the first copy is claimed.
         unique: dict[str, InboxEvent] = {}
         for _, run in members:
