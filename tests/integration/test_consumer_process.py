@@ -76,6 +76,27 @@ async def _supervise(
     return exits[:-1]
 
 
+def _app_env(
+    settings: OutboxSettings, topic: str, table: str, group: str, **extra: str
+) -> dict[str, str]:
+    """The environment of ``tests.support.inbox_apps:app`` for one test."""
+    return subprocess_env(
+        settings,
+        INBOX_TEST_CONSUMER=group,
+        INBOX_TEST_TOPIC=topic,
+        INBOX_TEST_EFFECTS=table,
+        **extra,
+    )
+
+
+async def _assert_crash_dead_lettered(bootstrap: str, topic: str, seq: int) -> None:
+    """The record that killed the process is on the DLQ, after 3 counted attempts."""
+    [dead] = await read_all(bootstrap, topic + ".dlq", expect=1)
+    assert dead.headers["dlq_error_class"] == b"ProcessCrashed"
+    assert dead.headers["dlq_attempts"] == b"3"
+    assert json.loads(dead.value)["seq"] == seq
+
+
 # The crashing record sits in the first run (its marker committed on its own), or in a
 # later run whose marker the previous run's commit armed ahead (small batches, and one
 # transaction per event).
@@ -101,11 +122,11 @@ async def test_handler_calling_os_exit_is_dead_lettered_after_n_runs(
     table = effects_table(engine)
     runs = tmp_path / "runs"
     group = f"c-{uuid.uuid4().hex[:8]}"
-    env = subprocess_env(
+    env = _app_env(
         settings,
-        INBOX_TEST_CONSUMER=group,
-        INBOX_TEST_TOPIC=topic,
-        INBOX_TEST_EFFECTS=table,
+        topic,
+        table,
+        group,
         INBOX_TEST_RUNS_FILE=str(runs),
         INBOX_TEST_MAX_ATTEMPTS="3",
         **consumer_env,
@@ -119,10 +140,7 @@ async def test_handler_calling_os_exit_is_dead_lettered_after_n_runs(
     assert exits == [3, 3, 3]
     assert len(runs.read_text().split()) == 3  # exactly N runs of the crashing handler
     assert set(effect_counts(engine, table).values()) == {1}
-    [dead] = await read_all(kafka_bootstrap, topic + ".dlq", expect=1)
-    assert dead.headers["dlq_error_class"] == b"ProcessCrashed"
-    assert dead.headers["dlq_attempts"] == b"3"
-    assert json.loads(dead.value)["seq"] == crash_at
+    await _assert_crash_dead_lettered(kafka_bootstrap, topic, crash_at)
 
 
 # Each commit arms the marker ahead for the next records (no marker write per run). A
@@ -148,11 +166,11 @@ async def test_sigkill_while_idle_loses_nothing_and_charges_at_most_one_phantom_
     table = effects_table(engine)
     runs = tmp_path / "runs"
     group = f"c-{uuid.uuid4().hex[:8]}"
-    env = subprocess_env(
+    env = _app_env(
         settings,
-        INBOX_TEST_CONSUMER=group,
-        INBOX_TEST_TOPIC=topic,
-        INBOX_TEST_EFFECTS=table,
+        topic,
+        table,
+        group,
         INBOX_TEST_RUNS_FILE=str(runs),
         INBOX_TEST_MAX_ATTEMPTS="3",
         OUTBOX_CONSUMER__DISARM_IDLE_SECONDS=disarm_idle,
@@ -173,10 +191,7 @@ async def test_sigkill_while_idle_loses_nothing_and_charges_at_most_one_phantom_
     assert exits == [3] * runs_of_crasher
     assert len(runs.read_text().split()) == runs_of_crasher
     assert set(effect_counts(engine, table).values()) == {1}  # 1-4 and 6, once each
-    [dead] = await read_all(kafka_bootstrap, topic + ".dlq", expect=1)
-    assert dead.headers["dlq_error_class"] == b"ProcessCrashed"
-    assert dead.headers["dlq_attempts"] == b"3"
-    assert json.loads(dead.value)["seq"] == 5
+    await _assert_crash_dead_lettered(kafka_bootstrap, topic, 5)
 
 
 async def test_sigkill_between_db_commit_and_offset_commit_applies_once(
@@ -190,11 +205,11 @@ async def test_sigkill_between_db_commit_and_offset_commit_applies_once(
     table = effects_table(engine)
     marker = tmp_path / "killed"
     group = f"c-{uuid.uuid4().hex[:8]}"
-    env = subprocess_env(
+    env = _app_env(
         settings,
-        INBOX_TEST_CONSUMER=group,
-        INBOX_TEST_TOPIC=topic,
-        INBOX_TEST_EFFECTS=table,
+        topic,
+        table,
+        group,
         INBOX_TEST_RUNS_FILE=str(marker),
         INBOX_TEST_MODE="kill_after_commit",
     )
@@ -231,12 +246,7 @@ async def test_dlq_cli_lists_shows_and_replays(
     topic = await new_topic()
     table = effects_table(engine)
     group = f"c-{uuid.uuid4().hex[:8]}"
-    env = subprocess_env(
-        settings,
-        INBOX_TEST_CONSUMER=group,
-        INBOX_TEST_TOPIC=topic,
-        INBOX_TEST_EFFECTS=table,
-    )
+    env = _app_env(settings, topic, table, group)
     bad = (b"k", b"{not json", ce_headers("bad-1"))
     await produce(kafka_bootstrap, topic, [bad])
     # Nothing is fixed before the replay, so the replayed copy must fail exactly once more.
