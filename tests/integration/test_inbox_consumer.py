@@ -344,8 +344,8 @@ async def test_one_transaction_per_event_mode(
 
 
 def test_auto_commit_is_refused() -> None:
-    with pytest.raises(inbox.HandlerConfigurationError, match="auto_commit"):
-        inbox.Consumer(name="x", topics=["t"], kafka_options={"enable_auto_commit": True})
+    with pytest.raises(inbox.HandlerConfigurationError, match=r"auto\.commit"):
+        inbox.Consumer(name="x", topics=["t"], kafka_options={"enable.auto.commit": True})
 
 
 async def test_missing_source_topic_fails_clearly(settings: OutboxSettings) -> None:
@@ -353,6 +353,19 @@ async def test_missing_source_topic_fails_clearly(settings: OutboxSettings) -> N
 
     app = inbox.Consumer(name=name(), topics=[f"missing-{uuid.uuid4().hex[:8]}"])
     with pytest.raises(TopicMissing, match="does not exist"):
+        async with RunningConsumer(app, settings):
+            pass
+
+
+async def test_an_unknown_kafka_option_fails_the_start_with_a_typed_error(
+    settings: OutboxSettings, new_topic: NewTopic
+) -> None:
+    from outbox.errors import ConfigurationError
+
+    topic = await new_topic(partitions=1)
+    # An aiokafka-style name: the consumer takes librdkafka properties.
+    app = inbox.Consumer(name=name(), topics=[topic], kafka_options={"fetch_min_bytes": 1})
+    with pytest.raises(ConfigurationError, match="fetch_min_bytes"):
         async with RunningConsumer(app, settings):
             pass
 
