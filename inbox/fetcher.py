@@ -110,13 +110,15 @@ class Fetcher:
         """Commit in the background; a refusal (the partition moved) is only logged:
         the next owner re-reads from the last committed offset and the inbox dedupes."""
         parts = _partitions(offsets)
-        self._commands.append(lambda c: c.commit(offsets=parts, asynchronous=True))
+        self._commands.append(lambda c: self._commit_async(c, parts))
 
     def pause(self, tp: TopicPartition) -> None:
-        self._commands.append(lambda c: _tolerant(c.pause, tp))
+        parts = [ck.TopicPartition(tp.topic, tp.partition)]
+        self._commands.append(lambda c: _tolerant(c.pause, parts))
 
     def resume(self, tp: TopicPartition) -> None:
-        self._commands.append(lambda c: _tolerant(c.resume, tp))
+        parts = [ck.TopicPartition(tp.topic, tp.partition)]
+        self._commands.append(lambda c: _tolerant(c.resume, parts))
 
     async def stop(self) -> None:
         """Revoke what is assigned (``on_revoked`` runs, offsets commit), leave the group
@@ -221,7 +223,16 @@ class Fetcher:
                 self._client_error(error)
         return good
 
+    def _commit_async(self, consumer: ck.Consumer, parts: list[ck.TopicPartition]) -> None:
+        try:
+            consumer.commit(offsets=parts, asynchronous=True)
+        except ck.KafkaException as exc:  # e.g. no longer in the group: never fatal here
+            self._committed(exc.args[0], [])
+
     def _assigned_cb(self, consumer: ck.Consumer, partitions: list[ck.TopicPartition]) -> None:
+        # A partition paused under a former assignment would stay paused; its new lane
+        # starts empty, so it must fetch.
+        _tolerant(consumer.resume, partitions)
         tps = _tps(partitions)
         self._assigned = self._assigned | tps
         log.info("partitions assigned", extra={"partitions": sorted(map(_name, tps))})
@@ -275,9 +286,11 @@ class Fetcher:
         log.warning("kafka client error", extra={"error": error.name(), "detail": error.str()})
 
 
-def _tolerant(call: Callable[[list[ck.TopicPartition]], None], tp: TopicPartition) -> None:
+def _tolerant(
+    call: Callable[[list[ck.TopicPartition]], None], parts: list[ck.TopicPartition]
+) -> None:
     with contextlib.suppress(ck.KafkaException):  # revoked meanwhile: its lane is gone too
-        call([ck.TopicPartition(tp.topic, tp.partition)])
+        call(parts)
 
 
 def _partitions(offsets: Offsets) -> list[ck.TopicPartition]:

@@ -108,6 +108,8 @@ class ConsumerDaemon:
                 "auto.offset.reset": "earliest",
                 # librdkafka's default is 45 s; a member that died is replaced after 10 s.
                 "session.timeout.ms": 10_000,
+                # Small requests (commits, heartbeats) go out at once, not after an ACK.
+                "socket.nagle.disable": True,
                 **self.app.kafka_options,
             },
             self.app.topics,
