@@ -42,7 +42,7 @@ import time
 import uuid
 from multiprocessing.connection import Connection
 
-from aiokafka import AIOKafkaProducer
+from aiokafka import AIOKafkaProducer, TopicPartition
 from pydantic import BaseModel
 from sqlalchemy import BigInteger, Integer, Text, text
 from sqlalchemy.ext.asyncio import AsyncSession
@@ -51,7 +51,6 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 import inbox
 from bench.common import create_topic, drop_schema, payload_300b, scratch_settings
 from inbox import ConsumerDaemon, Metrics
-from inbox.fetcher import TopicPartition
 from outbox import aio
 from outbox.db import sync_engine
 from outbox.settings import ConsumerSettings, OutboxSettings

@@ -75,10 +75,8 @@ def _model_of(fn: HandlerFn) -> type[BaseModel] | None:
 class Consumer:
     """A named consumer: its Kafka group id and inbox identity are ``name``.
 
-    ``kafka_options`` are librdkafka consumer properties (``confluent_kafka.Consumer``
-    configuration, e.g. ``{"fetch.min.bytes": 1024}``); an unknown one fails the start with
-    :class:`~outbox.errors.ConfigurationError`. Auto-commit is refused because offsets must
-    only move after the database commit.
+    ``kafka_options`` are passed to ``AIOKafkaConsumer``; auto-commit is refused because
+    offsets must only move after the database commit.
     """
 
     name: str
@@ -92,15 +90,15 @@ class Consumer:
         if not self.topics:
             raise HandlerConfigurationError("a consumer needs at least one topic")
         self.topics = tuple(identifiers.kafka_name(t, "topic") for t in self.topics)
-        if "enable.auto.commit" in self.kafka_options:
+        if self.kafka_options.get("enable_auto_commit"):
             raise HandlerConfigurationError(
-                "enable.auto.commit is refused: offsets are committed only after the "
+                "enable_auto_commit is refused: offsets are committed only after the "
                 "database transaction of the handler committed"
             )
-        for own in ("group.id", "on_commit", "error_cb", "logger"):
-            if own in self.kafka_options:
+        for forbidden in ("group_id", "enable_auto_commit"):
+            if forbidden in self.kafka_options:
                 raise HandlerConfigurationError(
-                    f"kafka option {own!r} is set by the consumer itself"
+                    f"kafka option {forbidden!r} is set by the consumer itself"
                 )
 
     def handler(

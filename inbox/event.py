@@ -9,9 +9,26 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
-import confluent_kafka as ck
+
+class KafkaRecord(Protocol):
+    """The parts of an aiokafka ``ConsumerRecord`` the inbox reads."""
+
+    @property
+    def topic(self) -> str: ...
+    @property
+    def partition(self) -> int: ...
+    @property
+    def offset(self) -> int: ...
+    @property
+    def timestamp(self) -> int: ...
+    @property
+    def key(self) -> bytes | None: ...
+    @property
+    def value(self) -> bytes | None: ...
+    @property
+    def headers(self) -> Sequence[tuple[str, bytes]]: ...
 
 
 @dataclass(frozen=True)
@@ -68,11 +85,8 @@ def _text(headers: Sequence[tuple[str, bytes]], name: str) -> str | None:
     return None
 
 
-def decode(record: ck.Message) -> InboxEvent:
-    topic, partition, offset = record.topic() or "", record.partition() or 0, record.offset() or 0
-    # A consumed record's headers are a list of (name, bytes or None); never a dict.
-    raw_headers: Any = record.headers() or ()
-    headers = tuple((name, bytes(value or b"")) for name, value in raw_headers)
+def decode(record: KafkaRecord) -> InboxEvent:
+    headers = tuple((name, bytes(value or b"")) for name, value in record.headers)
     event_id = _text(headers, "ce_id")
     event_type = _text(headers, "ce_type")
     problem = None
@@ -83,18 +97,17 @@ def decode(record: ck.Message) -> InboxEvent:
     elif event_type is None:
         problem = "missing or invalid ce_type header"
     if problem is not None:
-        event_id = f"{topic}:{partition}:{offset}"
+        event_id = f"{record.topic}:{record.partition}:{record.offset}"
     assert event_id is not None
-    kind, timestamp = record.timestamp()
     return InboxEvent(
         event_id=event_id,
         event_type=event_type,
-        topic=topic,
-        partition=partition,
-        offset=offset,
-        key=record.key(),
-        value=record.value(),
+        topic=record.topic,
+        partition=record.partition,
+        offset=record.offset,
+        key=record.key,
+        value=record.value,
         headers=headers,
         malformed=problem,
-        timestamp_ms=timestamp if kind else None,
+        timestamp_ms=record.timestamp,
     )

@@ -9,8 +9,7 @@ committed only after the database commit that finished them, never by auto-commi
 committer task that coalesces them so handlers never wait for a Kafka round trip. On
 revocation a revoked partition's in-flight run finishes (a retry backing off is abandoned
 before its next attempt) and its offsets are committed before the rebalance proceeds; the
-new owner starts at the committed offset and the inbox dedupes the rest. The Kafka client
-itself lives in ``inbox/fetcher.py``.
+new owner starts at the committed offset and the inbox dedupes the rest.
 """
 
 from __future__ import annotations
@@ -19,23 +18,25 @@ import asyncio
 import bisect
 import contextlib
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import confluent_kafka as ck
+from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
+from aiokafka.abc import ConsumerRebalanceListener
+from aiokafka.errors import CommitFailedError, IllegalStateError, KafkaError
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
 from inbox.app import Consumer
 from inbox.event import InboxEvent, decode
-from inbox.fetcher import Fetcher, Offsets, Records, TopicPartition
 from inbox.kafka import KafkaSink, dlq_producer, ensure_topics
 from inbox.metrics import Metrics
 from inbox.processor import PartitionProcessor, process_together
 from inbox.store import InboxStore
 from outbox.db import async_engine
-from outbox.errors import OutboxError
+from outbox.errors import ConfigurationError, OutboxError
 from outbox.retry import RetryPolicy
 from outbox.settings import OutboxSettings
 from outbox.tables import build_tables
@@ -53,7 +54,18 @@ def _transient(exc: BaseException) -> bool:
         return True
     if isinstance(exc, DBAPIError):
         return bool(exc.connection_invalidated)
-    return False
+    return isinstance(exc, KafkaError) and bool(getattr(exc, "retriable", False))
+
+
+class _Listener(ConsumerRebalanceListener):  # type: ignore[misc]
+    def __init__(self, daemon: ConsumerDaemon) -> None:
+        self._daemon = daemon
+
+    async def on_partitions_revoked(self, revoked: Sequence[TopicPartition]) -> None:
+        await self._daemon.release(revoked)
+
+    async def on_partitions_assigned(self, assigned: Sequence[TopicPartition]) -> None:
+        log.info("partitions assigned", extra={"partitions": sorted(str(tp) for tp in assigned)})
 
 
 @dataclass
@@ -62,12 +74,11 @@ class ConsumerDaemon:
     settings: OutboxSettings
     metrics: Metrics | None = None
     _engine: AsyncEngine | None = field(default=None, init=False)
-    _kafka: Fetcher | None = field(default=None, init=False)
+    _kafka: AIOKafkaConsumer | None = field(default=None, init=False)
     _lanes: dict[TopicPartition, _Lane] = field(default_factory=dict, init=False)
     _pending_offsets: dict[TopicPartition, int] = field(default_factory=dict, init=False)
     _offsets_ready: asyncio.Event = field(default_factory=asyncio.Event, init=False)
     _failure: BaseException | None = field(default=None, init=False)
-    _broken: asyncio.Event = field(default_factory=asyncio.Event, init=False)
 
     def __post_init__(self) -> None:
         if self.metrics is None:
@@ -88,6 +99,20 @@ class ConsumerDaemon:
         """Consume until ``stop`` is set; then finish in-flight batches, commit, leave."""
         config = self.settings.consumer
         await ensure_topics(self.settings, self.app.topics)
+        options: dict[str, Any] = {
+            "auto_offset_reset": "earliest",
+            "max_poll_records": config.max_batch_records,
+            **self.app.kafka_options,
+        }
+        try:
+            kafka = AIOKafkaConsumer(
+                bootstrap_servers=self.settings.kafka_bootstrap_servers,
+                group_id=self.app.name,
+                enable_auto_commit=False,
+                **options,
+            )
+        except (TypeError, ValueError) as exc:  # an unknown or impossible kafka_options entry
+            raise ConfigurationError(f"invalid Kafka consumer option: {exc}") from None
         # No pre-ping: it costs a round trip per transaction. A connection that died in the
         # pool fails the run's first statement instead; that is an infrastructure error
         # (the run is retried, no attempt charged) and the pool then replaces it.
@@ -100,40 +125,21 @@ class ConsumerDaemon:
         sessions = async_sessionmaker(self._engine, expire_on_commit=False)
         self._autocommit = self._engine.execution_options(isolation_level="AUTOCOMMIT")
         producer = dlq_producer(self.settings)
-        sink = KafkaSink(producer)
-        kafka = Fetcher(
-            {
-                "bootstrap.servers": self.settings.kafka_bootstrap_servers,
-                "group.id": self.app.name,
-                "auto.offset.reset": "earliest",
-                # librdkafka's default is 45 s; a member that died is replaced after 10 s.
-                "session.timeout.ms": 10_000,
-                # Small requests (commits, heartbeats) go out at once, not after an ACK.
-                "socket.nagle.disable": True,
-                **self.app.kafka_options,
-            },
-            self.app.topics,
-            on_records=lambda records: self._feed(records, sessions, sink),
-            on_revoked=self._revoked,
-            max_records=config.max_batch_records * 4,
-            poll_seconds=config.fetch_timeout_ms / 1000,
-        )
         self._kafka = kafka
         try:
             await producer.start()
             await kafka.start()
+            kafka.subscribe(list(self.app.topics), listener=_Listener(self))
             log.info(
                 "consumer started",
                 extra={"consumer": self.app.name, "topics": list(self.app.topics)},
             )
-            await self._loop(stop, kafka)
+            await self._loop(stop, sessions, KafkaSink(producer))
         finally:
-            try:
-                await kafka.stop()  # revokes (lanes finish, offsets commit), leaves the group
-            finally:
-                await self._stop_lanes(list(self._lanes))  # only if the client failed
-                await producer.stop()
-                await self._engine.dispose()
+            await self.release(list(self._lanes))
+            await kafka.stop()  # leaves the group so partitions move on at once
+            await producer.stop()
+            await self._engine.dispose()
             log.info("consumer stopped", extra={"consumer": self.app.name, **self._counts()})
         if self._failure is not None:
             raise self._failure
@@ -142,34 +148,27 @@ class ConsumerDaemon:
         assert self.metrics is not None
         return dict(self.metrics.counts)
 
-    async def _loop(self, stop: asyncio.Event, kafka: Fetcher) -> None:
-        """Wait for a stop, a failed task or a failed Kafka client; log status meanwhile."""
-        committer = asyncio.create_task(self._committer())
-        committer.add_done_callback(self._watch)
-        ends: list[asyncio.Future[Any]] = [
-            asyncio.ensure_future(stop.wait()),
-            asyncio.ensure_future(self._broken.wait()),
-            kafka.done,
-        ]
-        try:
-            while not (
-                await asyncio.wait(
-                    ends,
-                    timeout=STATUS_EVERY_SECONDS,
-                    return_when=asyncio.FIRST_COMPLETED,
-                )
-            )[0]:
-                log.info("consumer status", extra={"consumer": self.app.name, **self._counts()})
-        finally:
-            for end in ends[:2]:  # the client's own future is settled by its thread
-                end.cancel()
-            committer.cancel()
-
-    def _feed(
-        self, records: Records, sessions: async_sessionmaker[AsyncSession], sink: KafkaSink
+    async def _loop(
+        self, stop: asyncio.Event, sessions: async_sessionmaker[AsyncSession], sink: KafkaSink
     ) -> None:
-        for tp, messages in records.items():
-            self._lane(tp, sessions, sink).feed(messages)
+        assert self._kafka is not None
+        config = self.settings.consumer
+        committer = asyncio.create_task(self._committer())
+        committer.add_done_callback(self._watch_committer)
+        next_status = time.monotonic() + STATUS_EVERY_SECONDS
+        try:
+            while not stop.is_set() and self._failure is None:
+                batches = await self._kafka.getmany(
+                    timeout_ms=config.fetch_timeout_ms, max_records=config.max_batch_records * 4
+                )
+                for tp, records in batches.items():
+                    if records:
+                        self._lane(tp, sessions, sink).feed(records)
+                if time.monotonic() >= next_status:
+                    next_status = time.monotonic() + STATUS_EVERY_SECONDS
+                    log.info("consumer status", extra={"consumer": self.app.name, **self._counts()})
+        finally:
+            committer.cancel()
 
     def _lane(
         self,
@@ -203,7 +202,9 @@ class ConsumerDaemon:
         if not task.cancelled() and task.exception() is not None and self._failure is None:
             # A bug, not a handler error (those are handled): stop the daemon loudly.
             self._failure = task.exception()
-            self._broken.set()
+
+    def _watch_committer(self, task: asyncio.Task[None]) -> None:
+        self._watch(task)
 
     # ------------------------------------------------------------------ offsets
 
@@ -215,24 +216,49 @@ class ConsumerDaemon:
         """Commit the newest finished offsets, coalesced: the handler path never waits for
         a Kafka round trip, and one request covers every partition that moved in the
         last ``offset_commit_interval_ms``."""
-        assert self._kafka is not None
         pause = self.settings.consumer.offset_commit_interval_ms / 1000
         while True:
             await self._offsets_ready.wait()
-            self._offsets_ready.clear()
-            if self._pending_offsets:
-                self._kafka.commit(self._pending_offsets)
-                self._pending_offsets = {}
+            await self.flush_offsets()
             await asyncio.sleep(pause)
 
-    async def _revoked(self, tps: list[TopicPartition]) -> Offsets:
-        """Partitions leave this member: finish their current runs; the fetcher commits
-        the offsets returned before the rebalance proceeds."""
-        await self._stop_lanes(tps)
-        return {tp: self._pending_offsets.pop(tp) for tp in tps if tp in self._pending_offsets}
+    async def flush_offsets(self, only: Sequence[TopicPartition] | None = None) -> None:
+        self._offsets_ready.clear()
+        picked = {
+            tp: off for tp, off in self._pending_offsets.items() if only is None or tp in only
+        }
+        for tp in picked:
+            del self._pending_offsets[tp]
+        if picked:
+            await self._commit(picked)
 
-    async def _stop_lanes(self, tps: Sequence[TopicPartition]) -> None:
-        """Stop the given partitions after their current run and wait for them.
+    async def _commit(self, offsets: dict[TopicPartition, int]) -> None:
+        """One commit request for every partition that moved; per partition only when the
+        group refused it (a partition moved away must not block the others' offsets)."""
+        assert self._kafka is not None
+        try:
+            await self._kafka.commit(offsets)
+            return
+        except (CommitFailedError, IllegalStateError) as exc:
+            if len(offsets) == 1:
+                # The partition moved to another member; it re-reads from the last
+                # committed offset and the inbox skips what this member already applied.
+                log.warning(
+                    "offset commit refused",
+                    extra={"partitions": sorted(map(str, offsets)), "error": type(exc).__name__},
+                )
+                return
+        except KafkaError as exc:
+            log.warning(
+                "offset commit failed",
+                extra={"partitions": sorted(map(str, offsets)), "error": type(exc).__name__},
+            )
+            return
+        for tp, offset in offsets.items():
+            await self._commit({tp: offset})
+
+    async def release(self, tps: Sequence[TopicPartition]) -> None:
+        """Stop the given partitions after their current run, wait, and commit their offsets.
 
         Records fetched but not started are dropped: the next owner reads them again from
         the committed offset.
@@ -242,6 +268,7 @@ class ConsumerDaemon:
             lane.processor.stopping.set()
             lane.wake.set()
         await asyncio.gather(*(lane.task for lane in lanes if lane.task), return_exceptions=True)
+        await self.flush_offsets(only=[lane.tp for lane in lanes])
         if lanes:
             log.info("partitions released", extra={"partitions": sorted(str(x.tp) for x in lanes)})
 
@@ -263,7 +290,7 @@ class _Lane:
     position: int = -1
     paused: bool = False
 
-    def feed(self, records: list[ck.Message]) -> None:
+    def feed(self, records: list[ConsumerRecord[bytes, bytes]]) -> None:
         self.events.extend(map(decode, records))
         self.wake.set()
         # Backpressure: stop fetching this partition while it is far behind.
@@ -370,8 +397,9 @@ class _Lane:
         del self.events[: bisect.bisect_left(self.events, self.position, key=_offset)]
         if self.paused and len(self.events) < self.daemon.settings.consumer.max_batch_records:
             self.paused = False
-            assert self.daemon._kafka is not None
-            self.daemon._kafka.resume(self.tp)
+            with contextlib.suppress(IllegalStateError):
+                assert self.daemon._kafka is not None
+                self.daemon._kafka.resume(self.tp)
 
     async def _together(self) -> bool:
         """Handle this lane's short run in one transaction with those of idle lanes;

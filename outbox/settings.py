@@ -145,10 +145,7 @@ class ConsumerSettings(_Section):
         8, ge=1, le=1024, description="Partitions processed at once (each holds a connection)."
     )
     fetch_timeout_ms: int = Field(
-        100,
-        ge=1,
-        description="Longest wait of the Kafka client's poll while no record arrives; bounds "
-        "how late an idle consumer serves an offset commit, a pause or a shutdown.",
+        100, ge=1, description="Longest wait for records in one fetch; bounds shutdown latency."
     )
     offset_commit_interval_ms: int = Field(
         100,

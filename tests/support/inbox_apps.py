@@ -4,7 +4,7 @@ Configured by INBOX_TEST_* environment variables (a test module may read them; t
 library never does).
 """
 
-# ruff: noqa: ASYNC230  (tiny marker files written right before the process dies)
+# ruff: noqa: ASYNC230, ASYNC240  (tiny marker files written right before the process dies)
 
 from __future__ import annotations
 
@@ -46,15 +46,15 @@ async def record(event: inbox.InboxEvent, session: AsyncSession) -> None:
 if MODE == "kill_after_commit" and RUNS_FILE:
     # SIGKILL the process right after the first database commit, before its offsets are
     # committed to Kafka: the restarted consumer re-reads what was already applied.
+    _commit = runner.ConsumerDaemon._commit
     _marker = Path(RUNS_FILE)
-    _offset_done = runner.ConsumerDaemon._offset_done
 
-    def _kill_before_offset_commit(
-        self: runner.ConsumerDaemon, tp: runner.TopicPartition, offset: int
+    async def _kill_before_offset_commit(
+        self: runner.ConsumerDaemon, offsets: dict[object, int]
     ) -> None:
         if not _marker.exists():
-            _marker.write_text(str(offset))
+            _marker.write_text(str(max(offsets.values())))
             os.kill(os.getpid(), signal.SIGKILL)
-        _offset_done(self, tp, offset)
+        await _commit(self, offsets)  # type: ignore[arg-type]
 
-    runner.ConsumerDaemon._offset_done = _kill_before_offset_commit  # type: ignore[method-assign]
+    runner.ConsumerDaemon._commit = _kill_before_offset_commit  # type: ignore[method-assign]
