@@ -355,16 +355,8 @@ class _Lane:
                     self.busy = False
             self._trim()
         await self._wait_idle()  # a shared transaction may still hold this partition's run
-        try:
-            await self.processor.release()
-        except Exception as exc:
-            if not _transient(exc):
-                raise
-            # The next owner takes the armed marker for a crash: slower, still safe.
-            log.warning(
-                "could not disarm the attempt marker",
-                extra={"partition": str(self.tp), "error": type(exc).__name__},
-            )
+        # If this fails, the next owner takes the armed marker for a crash: slower, still safe.
+        await self._disarm()
 
     async def _rest(self) -> None:
         """The partition went quiet: disarm the marker its last commit armed ahead, so that
@@ -374,18 +366,22 @@ class _Lane:
             return
         self.busy = True
         try:
+            # If this fails, the next commit, quiet spell or release tries again.
+            await self._disarm()
+        finally:
+            self.busy = False
+            self.idle.set()
+
+    async def _disarm(self) -> None:
+        try:
             await self.processor.release()
         except Exception as exc:
             if not _transient(exc):
                 raise
-            # Still armed: the next commit, quiet spell or release tries again.
             log.warning(
                 "could not disarm the attempt marker",
                 extra={"partition": str(self.tp), "error": type(exc).__name__},
             )
-        finally:
-            self.busy = False
-            self.idle.set()
 
     async def _wait_idle(self) -> None:
         while self.busy:
