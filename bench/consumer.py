@@ -40,7 +40,9 @@ import statistics
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from multiprocessing.connection import Connection
+from typing import Any
 
 from aiokafka import AIOKafkaProducer, TopicPartition
 from pydantic import BaseModel
@@ -279,34 +281,11 @@ async def relay_latency(
         while not (daemon._kafka and daemon._kafka.assignment()):
             await asyncio.sleep(0.05)
         await asyncio.sleep(1.0)  # relay lanes acquired, consumer fetching
-        ctx = multiprocessing.get_context("spawn")
-        receive, send = ctx.Pipe(duplex=False)
-        args = (
-            settings.database_url.get_secret_value(),
-            settings.db_schema,
-            topic,
-            rate,
-            seconds,
-            send,
-        )
-        child = ctx.Process(target=outbox_producer, args=args)
-        child.start()
-        send.close()
-        while not receive.poll():
-            if task.done():
-                await task
-            await asyncio.sleep(0.05)
-        total, committed = receive.recv()
-        child.join()
-        while len(seen) < total:
-            if task.done():
-                await task
-            await asyncio.sleep(0.02)
+        args = (settings.database_url.get_secret_value(), settings.db_schema, topic, rate, seconds)
+        total, committed = await _child_result(outbox_producer, args, task)
+        await _until(lambda: len(seen) >= total, task)
         sent = {where: committed[eid][0] for where, (eid, _) in seen.items() if eid in committed}
-        while not _covered(daemon.commits, sent):
-            if task.done():
-                await task
-            await asyncio.sleep(0.02)
+        await _until(lambda: _covered(daemon.commits, sent), task)
     finally:
         relay.terminate()
         await asyncio.wait_for(relay.wait(), 30)
@@ -333,22 +312,9 @@ async def latency(
     while not (daemon._kafka and daemon._kafka.assignment()):
         await asyncio.sleep(0.05)
     await asyncio.sleep(0.5)  # let the consumer's first fetches settle
-    ctx = multiprocessing.get_context("spawn")
-    receive, send = ctx.Pipe(duplex=False)
-    child = ctx.Process(target=paced_producer, args=(bootstrap, topic, rate, seconds, send))
     cpu0 = cpu_seconds()
-    child.start()
-    send.close()
-    while not receive.poll():
-        if task.done():
-            await task
-        await asyncio.sleep(0.05)
-    total, sent = receive.recv()
-    child.join()
-    while not _covered(daemon.commits, sent):
-        if task.done():
-            await task
-        await asyncio.sleep(0.02)
+    total, sent = await _child_result(paced_producer, (bootstrap, topic, rate, seconds), task)
+    await _until(lambda: _covered(daemon.commits, sent), task)
     cpu_per_event = (cpu_seconds() - cpu0) / total * 1e6
     print(
         f"  ({len(sent) / len(daemon.commits):.1f} events per partition per database commit on "
@@ -358,6 +324,29 @@ async def latency(
     await task
     done_at = _finished_at(daemon.commits, sent)
     return sorted((done_at[k] - sent[k]) * 1000 for k in sent), cpu_per_event
+
+
+async def _until(done: Callable[[], bool], task: asyncio.Task[None]) -> None:
+    """Wait for ``done()``; if the consumer task ends meanwhile, raise what ended it."""
+    while not done():
+        if task.done():
+            await task
+        await asyncio.sleep(0.02)
+
+
+async def _child_result(
+    target: Callable[..., None], args: tuple[Any, ...], task: asyncio.Task[None]
+) -> Any:
+    """Run ``target(*args, pipe)`` in a spawned process and return what it sends back."""
+    ctx = multiprocessing.get_context("spawn")
+    receive, send = ctx.Pipe(duplex=False)
+    child = ctx.Process(target=target, args=(*args, send))
+    child.start()
+    send.close()
+    await _until(receive.poll, task)
+    result = receive.recv()
+    child.join()
+    return result
 
 
 def _finished_at(
