@@ -139,7 +139,8 @@ class PartitionProcessor:
     store: InboxStore
     sessions: async_sessionmaker[AsyncSession]
     # The same database in autocommit mode: one statement = one durable commit, one round
-    # trip (the marker writes that must commit before handlers run).
+    # trip (the marker writes that must commit before handlers run). The fast runs' and
+    # shared transactions are opened here by their claim (InboxStore.begin_and_claim).
     autocommit: AsyncEngine
     sink: DeadLetterSink
     policy: RetryPolicy
@@ -446,10 +447,11 @@ class PartitionProcessor:
         if not isinstance(at_commit, _Keep):
             marker = MarkerWrite(self.topic, self.partition, at_commit)
         try:
-            async with self.sessions() as session, session.begin():
+            # On the autocommit pool: the claim opens the transaction (BEGIN rides with it).
+            async with self.sessions(bind=self.autocommit) as session, session.begin():
                 # The marker change rides on the claim statement: same transaction, so it
                 # commits with the run or not at all, without a round trip of its own.
-                fresh = await self.store.claim(
+                fresh = await self.store.begin_and_claim(
                     await session.connection(),
                     self.consumer,
                     list(unique.values()),
@@ -728,8 +730,8 @@ async def process_together(
                 unique.setdefault(event.event_id, event)
         at: tuple[PartitionProcessor, int] | None = None
         try:
-            async with lead.sessions() as session, session.begin():
-                fresh = await store.claim(
+            async with lead.sessions(bind=lead.autocommit) as session, session.begin():
+                fresh = await store.begin_and_claim(
                     await session.connection(),
                     consumer,
                     list(unique.values()),

@@ -116,14 +116,17 @@ class ConsumerDaemon:
         # No pre-ping: it costs a round trip per transaction. A connection that died in the
         # pool fails the run's first statement instead; that is an infrastructure error
         # (the run is retried, no attempt charged) and the pool then replaces it.
-        self._engine = async_engine(
-            self.settings,
-            pool_size=config.max_concurrent_partitions + 2,
-            max_overflow=4,
-            pool_pre_ping=False,
+        # Two pools. Runs and shared transactions start on the autocommit one, where the
+        # claim opens the transaction itself (BEGIN rides in its round trip) and attempt
+        # markers commit alone; the paths that begin with other statements (savepoints,
+        # retries alone, dead letters) use the ordinary one. Separate pools, because
+        # switching a pooled connection's mode costs CPU on every checkout.
+        pool = {"pool_size": config.max_concurrent_partitions + 2, "max_overflow": 4}
+        self._engine = async_engine(self.settings, pool_pre_ping=False, **pool)
+        self._autocommit = async_engine(
+            self.settings, pool_pre_ping=False, isolation_level="AUTOCOMMIT", **pool
         )
         sessions = async_sessionmaker(self._engine, expire_on_commit=False)
-        self._autocommit = self._engine.execution_options(isolation_level="AUTOCOMMIT")
         producer = dlq_producer(self.settings)
         self._kafka = kafka
         try:
@@ -140,6 +143,7 @@ class ConsumerDaemon:
             await kafka.stop()  # leaves the group so partitions move on at once
             await producer.stop()
             await self._engine.dispose()
+            await self._autocommit.dispose()
             log.info("consumer stopped", extra={"consumer": self.app.name, **self._counts()})
         if self._failure is not None:
             raise self._failure

@@ -11,6 +11,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import psycopg
+from psycopg.pq import TransactionStatus
 from sqlalchemy import (
     BigInteger,
     Integer,
@@ -26,9 +28,11 @@ from sqlalchemy import (
     update,
 )
 from sqlalchemy.dialects.postgresql import ARRAY, insert
+from sqlalchemy.dialects.postgresql.psycopg import PGDialect_psycopg
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 
 from inbox.event import InboxEvent
+from outbox.errors import OutboxError
 from outbox.tables import Tables
 
 Executor = AsyncSession | AsyncConnection
@@ -91,11 +95,26 @@ class DeadLetterFilter:
 
 
 @dataclass(frozen=True)
+class _Claim:
+    """A claim statement, and the same as psycopg query text for :meth:`InboxStore.begin_and_claim`
+    (rendered once, with the defaults of the parameters the statement binds itself)."""
+
+    stmt: Any
+    text: bytes
+    defaults: dict[str, Any]
+
+    @classmethod
+    def of(cls, stmt: Any) -> _Claim:
+        compiled = stmt.compile(dialect=PGDialect_psycopg())  # type: ignore[no-untyped-call]
+        return cls(stmt, str(compiled).encode(), dict(compiled.params))
+
+
+@dataclass(frozen=True)
 class InboxStore:
     tables: Tables
-    _claim: Any = field(init=False, repr=False, compare=False)
-    _claim_arm: Any = field(init=False, repr=False, compare=False)
-    _claim_arm_many: Any = field(init=False, repr=False, compare=False)
+    _claim: _Claim = field(init=False, repr=False, compare=False)
+    _claim_arm: _Claim = field(init=False, repr=False, compare=False)
+    _claim_arm_many: _Claim = field(init=False, repr=False, compare=False)
     _get_marker: Any = field(init=False, repr=False, compare=False)
     _set_marker: Any = field(init=False, repr=False, compare=False)
     _finish_marker: Any = field(init=False, repr=False, compare=False)
@@ -106,14 +125,18 @@ class InboxStore:
         # The hot statements are built once: SQLAlchemy then reuses their compiled form
         # (memoized cache key), instead of rebuilding and re-keying them per batch.
         for name, stmt in (
-            ("_claim", self._claim_statement()),
+            ("_claim", _Claim.of(self._claim_statement())),
             (
                 "_claim_arm",
-                self._claim_statement().add_cte(self._set_marker_statement().cte("marker")),
+                _Claim.of(
+                    self._claim_statement().add_cte(self._set_marker_statement().cte("marker"))
+                ),
             ),
             (
                 "_claim_arm_many",
-                self._claim_statement().add_cte(self._set_markers_statement().cte("marker")),
+                _Claim.of(
+                    self._claim_statement().add_cte(self._set_markers_statement().cte("marker"))
+                ),
             ),
             ("_get_marker", self._get_marker_statement()),
             ("_set_marker", self._set_marker_statement()),
@@ -215,6 +238,55 @@ class InboxStore:
         """
         if not events:
             return set()
+        stmt, params = self._claim_call(
+            consumer, events, status, attempts, last_error, marker=marker, arm=arm
+        )
+        result = await db.execute(stmt.stmt, params)
+        return set(result.scalars())
+
+    async def begin_and_claim(
+        self,
+        conn: AsyncConnection,
+        consumer: str,
+        events: Sequence[InboxEvent],
+        *,
+        marker: MarkerWrite | None = None,
+        arm: Sequence[tuple[str, int, int, int]] = (),
+    ) -> set[str]:
+        """Open a transaction on ``conn`` and :meth:`claim` in it, in one round trip.
+
+        ``conn`` must be an idle connection in autocommit mode (``isolation_level=
+        "AUTOCOMMIT"``): its driver then sends no BEGIN of its own, which would cost a round
+        trip before the claim even in pipeline mode. Here BEGIN and the claim travel in one
+        pipeline. Whatever the caller runs next on ``conn`` is inside this transaction, and
+        its commit or rollback ends it (the driver acts on the server's transaction state,
+        not on its autocommit flag). Raises if the transaction is not open afterwards, so
+        that no handler write can ever run outside it.
+        """
+        assert events
+        stmt, params = self._claim_call(
+            consumer, events, PROCESSED, 1, None, marker=marker, arm=arm
+        )
+        raw = (await conn.get_raw_connection()).driver_connection
+        assert isinstance(raw, psycopg.AsyncConnection)
+        async with raw.pipeline():
+            await raw.execute(b"BEGIN")
+            cur = await raw.execute(stmt.text, stmt.defaults | params)
+        if raw.info.transaction_status != TransactionStatus.INTRANS:
+            raise OutboxError("the claim did not leave its transaction open")
+        return {row[0] for row in await cur.fetchall()}
+
+    def _claim_call(
+        self,
+        consumer: str,
+        events: Sequence[InboxEvent],
+        status: str,
+        attempts: int,
+        last_error: str | None,
+        *,
+        marker: MarkerWrite | None,
+        arm: Sequence[tuple[str, int, int, int]],
+    ) -> tuple[_Claim, dict[str, Any]]:
         stmt, params = self._claim, {}
         if arm:
             assert marker is None
@@ -222,22 +294,17 @@ class InboxStore:
         if marker is not None:
             key = {"m_consumer": consumer, "m_topic": marker.topic, "m_partition": marker.partition}
             stmt, params = self._claim_arm, key | self._marker_values(marker.marker)
-        result = await db.execute(
-            stmt,
-            params
-            | {
-                "p_consumer": consumer,
-                "p_status": status,
-                "p_attempts": attempts,
-                "p_last_error": last_error,
-                "ids": [e.event_id for e in events],
-                "topics": [e.topic for e in events],
-                "partitions": [e.partition for e in events],
-                "offsets": [e.offset for e in events],
-                "types": [e.event_type for e in events],
-            },
-        )
-        return set(result.scalars())
+        return stmt, params | {
+            "p_consumer": consumer,
+            "p_status": status,
+            "p_attempts": attempts,
+            "p_last_error": last_error,
+            "ids": [e.event_id for e in events],
+            "topics": [e.topic for e in events],
+            "partitions": [e.partition for e in events],
+            "offsets": [e.offset for e in events],
+            "types": [e.event_type for e in events],
+        }
 
     async def inbox_status(self, db: Executor, consumer: str, event_id: str) -> str | None:
         inbox = self.tables.inbox
