@@ -202,8 +202,12 @@ class Pipeline:
         generation = self._publisher.generation
         outcome: Outcome | None = None
         rows: list[ClaimedRow] = []
+        # Pipeline mode: BEGIN travels with the claim and COMMIT with the closing sync, two
+        # round trips per batch instead of three. The block is opened and closed by hand
+        # because psycopg's transaction() syncs right after BEGIN in a pipeline.
         try:
-            async with conn.transaction():
+            async with conn.pipeline():
+                await conn.execute(b"BEGIN")
                 cur = conn.cursor(binary=True)
                 # Never a cached generic plan: the outbox swings between empty and huge, and
                 # a plan made for an empty table (a seq scan per lane) would crawl on a
@@ -214,18 +218,31 @@ class Pipeline:
                     prepare=False,
                 )
                 rows = await cur.fetchall()
-                if not rows:
-                    return 0
-                # Claimed per lane in id order already; one sort makes it explicit and
-                # costs far less than a round trip.
-                rows.sort(key=_by_id)
-                outcome = await self._publisher.publish(rows)
-                if len(outcome.acked) < len(rows):
-                    await self._settle(conn, rows, outcome)
-        except psycopg.Rollback:
-            pass
+                if rows:
+                    # Claimed per lane in id order already; one sort makes it explicit and
+                    # costs far less than a round trip.
+                    rows.sort(key=_by_id)
+                    outcome = await self._publisher.publish(rows)
+                    if len(outcome.acked) < len(rows):
+                        await self._settle(conn, rows, outcome)
+                await conn.execute(b"COMMIT")
+        except BaseException as exc:
+            await self._abort(conn)
+            if not isinstance(exc, psycopg.Rollback):
+                raise
+        if not rows:
+            return 0
         await self._after(rows, outcome, generation, started, loop.time())
         return len(rows)
+
+    async def _abort(self, conn: psycopg.AsyncConnection[tuple[Any, ...]]) -> None:
+        """End a failed batch's transaction; what it claimed is pending again."""
+        try:
+            if conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
+                await conn.execute(b"ROLLBACK")
+        except psycopg.Error:
+            # Connection unusable: closing it makes PostgreSQL roll the transaction back.
+            await self._close()
 
     async def _settle(
         self,
