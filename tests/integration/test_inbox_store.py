@@ -7,6 +7,7 @@ import uuid
 import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from inbox.event import InboxEvent
 from inbox.store import InboxStore, Marker
 from outbox.settings import OutboxSettings
 from outbox.tables import build_tables
@@ -31,3 +32,37 @@ async def test_disarming_on_release_leaves_a_new_owners_marker_alone(
         await store.set_marker(conn, consumer, topic, 1, Marker(10, 41, 1, None))
         await store.disarm_marker(conn, consumer, topic, 1, (10, 41))
         assert await store.marker(conn, consumer, topic, 1) == Marker(10, 41, 0, None)
+
+
+def _event(offset: int) -> InboxEvent:
+    return InboxEvent(str(uuid.uuid4()), "order.created", "orders", 0, offset, None, b"{}", ())
+
+
+async def test_begin_and_claim_opens_a_transaction_that_the_callers_rollback_or_commit_ends(
+    settings: OutboxSettings, aengine: AsyncEngine
+) -> None:
+    store = InboxStore(build_tables(settings))
+    consumer = f"c-{uuid.uuid4().hex[:8]}"
+    a, b = _event(1), _event(2)
+    auto = aengine.execution_options(isolation_level="AUTOCOMMIT")
+
+    async def status(event: InboxEvent) -> str | None:
+        async with aengine.connect() as conn:
+            return await store.inbox_status(conn, consumer, event.event_id)
+
+    async with auto.connect() as conn:
+        trans = await conn.begin()
+        assert await store.begin_and_claim(conn, consumer, [a]) == {a.event_id}
+        await trans.rollback()
+    # Had the claim committed on its own (autocommit), the row would be there.
+    assert await status(a) is None
+
+    async with auto.connect() as conn, conn.begin():
+        assert await store.begin_and_claim(conn, consumer, [a, b]) == {a.event_id, b.event_id}
+    assert await status(b) == "processed"
+
+    c = _event(3)
+    async with auto.connect() as conn, conn.begin():
+        # ``a`` is a duplicate now: only ``c`` is new.
+        assert await store.begin_and_claim(conn, consumer, [a, c]) == {c.event_id}
+    assert await status(c) == "processed"
