@@ -113,14 +113,15 @@ class ConsumerDaemon:
             )
         except (TypeError, ValueError) as exc:  # an unknown or impossible kafka_options entry
             raise ConfigurationError(f"invalid Kafka consumer option: {exc}") from None
-        # No pre-ping: it costs a round trip per transaction. A connection that died in the
-        # pool fails the run's first statement instead; that is an infrastructure error
-        # (the run is retried, no attempt charged) and the pool then replaces it.
         # Two pools. Runs and shared transactions start on the autocommit one, where the
         # claim opens the transaction itself (BEGIN rides in its round trip) and attempt
         # markers commit alone; the paths that begin with other statements (savepoints,
         # retries alone, dead letters) use the ordinary one. Separate pools, because
         # switching a pooled connection's mode costs CPU on every checkout.
+        #
+        # No pre-ping: it costs a round trip per transaction. A connection that died in the
+        # pool fails the run's first statement instead; that is an infrastructure error
+        # (the run is retried, no attempt charged) and the pool then replaces it.
         pool = {"pool_size": config.max_concurrent_partitions + 2, "max_overflow": 4}
         self._engine = async_engine(self.settings, pool_pre_ping=False, **pool)
         self._autocommit = async_engine(
