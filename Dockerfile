@@ -1,5 +1,7 @@
 # Image for the relay and consumer daemons (docker-compose.yml, profile "app").
-FROM python:3.11-slim
+# Tags are exact versions; .dockerignore keeps .venv, .services, caches and .git out of the
+# build context.
+FROM python:3.11.14-slim-bookworm
 WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY outbox ./outbox

@@ -5,10 +5,11 @@ from __future__ import annotations
 import argparse
 import uuid
 
-from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.admin import NewTopic
 from sqlalchemy import text
 
 from outbox import OutboxSettings, load_settings, migrate
+from outbox.daemon import kafka_admin
 from outbox.db import sync_engine
 
 
@@ -42,11 +43,14 @@ def payload_300b(n: int) -> dict[str, object]:
 
 
 async def create_topic(
-    bootstrap: str, partitions: int, config: dict[str, str] | None = None, prefix: str = "bench"
+    settings: OutboxSettings,
+    partitions: int,
+    config: dict[str, str] | None = None,
+    prefix: str = "bench",
 ) -> str:
     """A uniquely named topic (the broker never auto-creates them)."""
     name = f"{prefix}-{uuid.uuid4().hex[:8]}"
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    admin = kafka_admin(settings)
     await admin.start()
     try:
         await admin.create_topics([NewTopic(name, partitions, 1, topic_configs=config or {})])

@@ -44,16 +44,18 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
-from aiokafka import AIOKafkaProducer, TopicPartition
+from aiokafka import TopicPartition
 from pydantic import BaseModel
 from sqlalchemy import BigInteger, Integer, Text, text
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 import inbox
+from bench import tracing
 from bench.common import create_topic, drop_schema, payload_300b, scratch_settings
 from inbox import ConsumerDaemon, Metrics
 from outbox import aio
+from outbox.daemon import kafka_environment, kafka_producer
 from outbox.db import sync_engine
 from outbox.settings import ConsumerSettings, OutboxSettings
 
@@ -101,11 +103,13 @@ def record(n: int) -> tuple[bytes, bytes, list[tuple[str, bytes]]]:
         ("ce_specversion", b"1.0"),
         ("content-type", b"application/json"),
     ]
+    if tracing.enabled():
+        headers.append(("traceparent", tracing.TRACEPARENT.encode()))
     return f"cus-{n % 997}".encode(), json.dumps(payload_300b(n)).encode(), headers
 
 
-async def produce_all(bootstrap: str, topic: str, n: int) -> None:
-    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=10)
+async def produce_all(settings: OutboxSettings, topic: str, n: int) -> None:
+    producer = kafka_producer(settings, acks="all", linger_ms=10)
     await producer.start()
     try:
         futures = []
@@ -182,13 +186,15 @@ async def drain(
     return elapsed, n - first, cpu
 
 
-def paced_producer(bootstrap: str, topic: str, rate: int, seconds: float, out: Connection) -> None:
+def paced_producer(
+    settings: OutboxSettings, topic: str, rate: int, seconds: float, out: Connection
+) -> None:
     """Child process: send records at a steady pace for ``WARMUP_SECONDS + seconds``; report
     how many, and {(partition, offset): monotonic send time} of those after the warm-up,
     through ``out``."""
 
     async def run() -> tuple[int, dict[tuple[int, int], float]]:
-        producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=0)
+        producer = kafka_producer(settings, acks="all", linger_ms=0)
         await producer.start()
         sent: dict[tuple[int, int], float] = {}
 
@@ -258,9 +264,8 @@ async def relay_latency(
 ) -> tuple[list[float], list[float]]:
     """Sorted producer-commit -> handler-commit latencies (ms) through a relay process, and
     the sorted relay parts of them (producer commit -> broker append, wall clock ms)."""
-    bootstrap = settings.kafka_bootstrap_servers
     topic = await create_topic(
-        bootstrap, partitions, {"message.timestamp.type": "LogAppendTime"}, prefix="bench-inbox"
+        settings, partitions, {"message.timestamp.type": "LogAppendTime"}, prefix="bench-inbox"
     )
     seen: dict[tuple[int, int], tuple[str, int]] = {}
     app = make_app(f"bench-e2e-{uuid.uuid4().hex[:6]}", topic, "orm", seen)
@@ -272,7 +277,7 @@ async def relay_latency(
     env |= {
         "OUTBOX_DATABASE_URL": settings.database_url.get_secret_value(),
         "OUTBOX_DB_SCHEMA": settings.db_schema,
-        "OUTBOX_KAFKA_BOOTSTRAP_SERVERS": bootstrap,
+        **kafka_environment(settings),
     }
     relay = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "cli", "--log-level", "WARNING", "relay", env=env
@@ -302,8 +307,7 @@ async def latency(
     settings: OutboxSettings, partitions: int, seconds: float, rate: int, handler: str
 ) -> tuple[list[float], float]:
     """Sorted latencies (ms) and the consumer's CPU microseconds per event."""
-    bootstrap = settings.kafka_bootstrap_servers
-    topic = await create_topic(bootstrap, partitions, prefix="bench-inbox")
+    topic = await create_topic(settings, partitions, prefix="bench-inbox")
     app = make_app(f"bench-lat-{uuid.uuid4().hex[:6]}", topic, handler)
     daemon = TimedDaemon(app, settings, Metrics(app.name))
     daemon.commits = []
@@ -313,7 +317,7 @@ async def latency(
         await asyncio.sleep(0.05)
     await asyncio.sleep(0.5)  # let the consumer's first fetches settle
     cpu0 = cpu_seconds()
-    total, sent = await _child_result(paced_producer, (bootstrap, topic, rate, seconds), task)
+    total, sent = await _child_result(paced_producer, (settings, topic, rate, seconds), task)
     await _until(lambda: _covered(daemon.commits, sent), task)
     cpu_per_event = (cpu_seconds() - cpu0) / total * 1e6
     print(
@@ -392,6 +396,8 @@ def load() -> str:
 
 
 async def main(args: argparse.Namespace) -> None:
+    if tracing.enabled():
+        tracing.setup()
     base = scratch_settings()
     engine = sync_engine(base)
     with engine.begin() as conn:
@@ -409,7 +415,6 @@ async def main(args: argparse.Namespace) -> None:
     )
     results: dict[str, float] = {}
     try:
-        bootstrap = settings.kafka_bootstrap_servers
         print(f"consumer bench: {args.partitions} partitions, payload ~300 B; {load()}")
         runs = [
             ("batch", "orm", args.events),
@@ -418,8 +423,8 @@ async def main(args: argparse.Namespace) -> None:
         ]
         for mode, handler, n in runs if "throughput" in args.parts else []:
             s = settings.model_copy(update={"consumer": ConsumerSettings(transaction_per=mode)})
-            topic = await create_topic(bootstrap, args.partitions, prefix="bench-inbox")
-            await produce_all(bootstrap, topic, n)
+            topic = await create_topic(s, args.partitions, prefix="bench-inbox")
+            await produce_all(s, topic, n)
             elapsed, counted, cpu = await drain(s, topic, n, handler)
             results[f"{mode}/{handler}"] = counted / elapsed
             print(

@@ -4,6 +4,12 @@ latency at a steady rate; and the cost of a NOTIFY trigger on producer commits.
 
     python -m bench.relay                       # defaults: 200,000 rows, ~2-3 minutes
     python -m bench.relay --rows 50000 --relays 1,2
+    python -m bench.relay --rows 50000 --kafka-security secure.env   # SASL_SSL vs plaintext
+
+``--kafka-security FILE`` only compares one relay draining the backlog over the plaintext
+settings of the environment and over the Kafka settings in FILE (a dotenv file with
+OUTBOX_KAFKA_BOOTSTRAP_SERVERS and OUTBOX_KAFKA__*, e.g. the SASL_SSL listener of
+``scripts/services``: see the README's benchmark section).
 
 Needs the services of ``scripts/services up`` (or OUTBOX_DATABASE_URL and
 OUTBOX_KAFKA_BOOTSTRAP_SERVERS). Works in a fresh database that it drops at the end.
@@ -26,14 +32,16 @@ import uuid
 from pathlib import Path
 
 import psycopg
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from dotenv import dotenv_values
 from sqlalchemy.engine import make_url
 
+from bench import tracing
 from bench.common import create_topic
 from outbox import Outbox, migrate
+from outbox.daemon import kafka_consumer, kafka_environment, kafka_producer
 from outbox.db import sync_engine
 from outbox.envelope import Message, lane_for
-from outbox.settings import OutboxSettings
+from outbox.settings import KafkaSettings, OutboxSettings
 from relay.store import CLAIM_CONNECTION_OPTIONS, RelayStore
 
 KEYS = 1000
@@ -56,13 +64,23 @@ def fill(settings: OutboxSettings, topic: str, rows: int, *, analyze: bool = Tru
     with psycopg.connect(settings.libpq_dsn) as conn:
         conn.execute(
             f"INSERT INTO {events} (event_id, topic, key, lane, event_type, source,"
-            " content_type, payload, fingerprint)"
+            " content_type, payload, fingerprint, headers)"
             " SELECT gen_random_uuid(), %(topic)s, (%(keys)s::bytea[])[1 + g %% %(k)s],"
             " (%(lanes)s::int2[])[1 + g %% %(k)s], 'bench.event', 'urn:bench',"
             " 'application/json',"
             " convert_to('{\"n\":' || g || ',\"pad\":\"' || repeat('x', %(pad)s) || '\"}', 'UTF8'),"
-            " '\\x00'::bytea FROM generate_series(1, %(rows)s) g",
-            {"topic": topic, "keys": keys, "lanes": lanes, "k": KEYS, "pad": PAD, "rows": rows},
+            " '\\x00'::bytea, %(headers)s::jsonb FROM generate_series(1, %(rows)s) g",
+            {
+                "topic": topic,
+                "keys": keys,
+                "lanes": lanes,
+                "k": KEYS,
+                "pad": PAD,
+                "rows": rows,
+                "headers": json.dumps(
+                    {"traceparent": tracing.TRACEPARENT} if tracing.enabled() else {}
+                ),
+            },
         )
         conn.commit()
         committed = time.perf_counter()
@@ -89,16 +107,19 @@ def relay_env(settings: OutboxSettings) -> dict[str, str]:
     env.setdefault("OUTBOX_RELAY__HEARTBEAT_SECONDS", "0.5")
     env.update(
         OUTBOX_DATABASE_URL=settings.database_url.get_secret_value(),
-        OUTBOX_KAFKA_BOOTSTRAP_SERVERS=settings.kafka_bootstrap_servers,
+        **kafka_environment(settings),
     )
     return env
 
 
 def start_relays(settings: OutboxSettings, n: int, logs: Path) -> list[subprocess.Popen[bytes]]:
     exe = Path(sys.executable).with_name("outbox")
+    command = [str(exe) if exe.exists() else "outbox"]
+    if tracing.enabled():
+        command = [sys.executable, "-m", "bench.tracing"]
     return [
         subprocess.Popen(
-            [str(exe) if exe.exists() else "outbox", "--log-level", "WARNING", "relay"],
+            [*command, "--log-level", "WARNING", "relay"],
             env=relay_env(settings),
             stdout=(logs / f"relay-{n}-{i}.log").open("wb"),
             stderr=subprocess.STDOUT,
@@ -158,9 +179,7 @@ async def naive_relay(settings: OutboxSettings, topic: str, rows: int) -> float:
     """The textbook relay: select 100 in id order, send_and_wait each, delete each."""
     fill(settings, topic, rows)
     events = f'"{settings.db_schema}"."{settings.table_prefix}events"'
-    producer = AIOKafkaProducer(
-        bootstrap_servers=settings.kafka_bootstrap_servers, acks="all", enable_idempotence=True
-    )
+    producer = kafka_producer(settings, acks="all", enable_idempotence=True)
     await producer.start()
     done = 0
     t0 = time.perf_counter()
@@ -229,9 +248,7 @@ async def latency(
 ) -> tuple[float, float, int]:
     """p50/p99 ms from producer commit to the broker's append (LogAppendTime) at ``rate``
     single-event transactions per second, one relay running."""
-    topic = await create_topic(
-        settings.kafka_bootstrap_servers, 6, {"message.timestamp.type": "LogAppendTime"}
-    )
+    topic = await create_topic(settings, 6, {"message.timestamp.type": "LogAppendTime"})
     procs = start_relays(settings, 1, logs)
     ob = Outbox(settings)
     engine = sync_engine(settings)
@@ -272,12 +289,8 @@ async def latency(
 
 
 async def read_topic(settings: OutboxSettings, topic: str, expect: int) -> list[tuple[str, int]]:
-    consumer = AIOKafkaConsumer(
-        topic,
-        bootstrap_servers=settings.kafka_bootstrap_servers,
-        auto_offset_reset="earliest",
-        enable_auto_commit=False,
-    )
+    consumer = kafka_consumer(settings, auto_offset_reset="earliest", enable_auto_commit=False)
+    consumer.subscribe([topic])
     await consumer.start()
     out: list[tuple[str, int]] = []
     try:
@@ -347,6 +360,40 @@ def notify_cost(settings: OutboxSettings, clients: int, seconds: int) -> tuple[f
     return tps[0], tps[1]
 
 
+def with_kafka_from(settings: OutboxSettings, path: Path) -> OutboxSettings:
+    """``settings`` with the Kafka connection of the dotenv file ``path``."""
+    values = {k: v for k, v in dotenv_values(path).items() if v is not None}
+    nested: dict[str, object] = {
+        k.removeprefix("OUTBOX_KAFKA__").lower(): v
+        for k, v in values.items()
+        if k.startswith("OUTBOX_KAFKA__")
+    }
+    if isinstance(nested.get("options"), str):
+        nested["options"] = json.loads(str(nested["options"]))
+    return settings.model_copy(
+        update={
+            "kafka": KafkaSettings.model_validate(nested),
+            "kafka_bootstrap_servers": values.get(
+                "OUTBOX_KAFKA_BOOTSTRAP_SERVERS", settings.kafka_bootstrap_servers
+            ),
+        }
+    )
+
+
+def compare_security(
+    settings: OutboxSettings, secured: OutboxSettings, rows: int, partitions: int, logs: Path
+) -> dict[str, float]:
+    """One relay draining ``rows`` over each connection (one run each)."""
+    rates: dict[str, float] = {}
+    for name, s in (("plaintext", settings), (secured.kafka.security_protocol, secured)):
+        topic = asyncio.run(create_topic(s, partitions))
+        rates[name] = drain_with_relays(s, topic, rows, 1, logs)
+        print(f"1 relay over {name}: {rates[name]:,.0f} events/s ({rows} rows)")
+    secure = rates[secured.kafka.security_protocol]
+    print(f"{secured.kafka.security_protocol} / plaintext: {secure / rates['plaintext']:.2f}")
+    return rates
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--rows", type=int, default=200_000)
@@ -355,6 +402,12 @@ def main() -> None:
     ap.add_argument("--rate", type=int, default=1000)
     ap.add_argument("--latency-seconds", type=float, default=10)
     ap.add_argument("--partitions", type=int, default=6)
+    ap.add_argument(
+        "--kafka-security",
+        type=Path,
+        metavar="ENV_FILE",
+        help="only compare 1 relay over plaintext vs the Kafka settings in ENV_FILE",
+    )
     args = ap.parse_args()
 
     base = OutboxSettings()
@@ -374,7 +427,12 @@ def main() -> None:
     results: dict[str, object] = {}
     try:
         migrate.upgrade(settings)
-        topic = asyncio.run(create_topic(settings.kafka_bootstrap_servers, args.partitions))
+        if args.kafka_security:
+            secured = with_kafka_from(settings, args.kafka_security)
+            results = dict(compare_security(settings, secured, args.rows, args.partitions, logs))
+            print(json.dumps(results))
+            return
+        topic = asyncio.run(create_topic(settings, args.partitions))
         print(
             f"load: {os.cpu_count()} cores, loadavg {os.getloadavg()[0]:.2f}; "
             f"backlog {args.rows} rows of ~300 B, {KEYS} keys, {args.partitions} partitions"

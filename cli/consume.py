@@ -5,15 +5,15 @@ from __future__ import annotations
 import asyncio
 import importlib
 import os
-import signal
 import sys
 import threading
 
 import typer
 
-from cli.context import console, run, settings_of
+from cli.context import notice, run, settings_of
 from inbox import Consumer, ConsumerAppNotFound, ConsumerDaemon, Metrics
 from outbox import aio
+from outbox.daemon import early_stop_signals, serve_http, stop_on_signals
 
 
 def load_consumer(target: str) -> Consumer:
@@ -33,17 +33,12 @@ def load_consumer(target: str) -> Consumer:
     return app
 
 
-_SIGNALS = (signal.SIGTERM, signal.SIGINT)
-
-
 async def _serve(daemon: ConsumerDaemon, early_stop: threading.Event) -> None:
     stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in _SIGNALS:
-        loop.add_signal_handler(sig, stop.set)
-    if early_stop.is_set():
-        stop.set()
-    await daemon.run(stop)
+    with stop_on_signals(stop.set):
+        if early_stop.is_set():
+            stop.set()
+        await daemon.run(stop)
 
 
 def consume(
@@ -57,23 +52,26 @@ def consume(
 
     SIGTERM/SIGINT finish the in-flight batches, commit their offsets and exit 0.
     """
-    # A signal during start-up (imports, connecting) must also mean "stop cleanly".
-    early_stop = threading.Event()
-    for sig in _SIGNALS:
-        signal.signal(sig, lambda *_: early_stop.set())
-    settings = settings_of(ctx)
-    app = run(lambda: load_consumer(target))
-    settings = app.settings or settings
-    metrics = Metrics(app.name)
-    if metrics_port is not None:
-        from prometheus_client import start_http_server
-
-        start_http_server(metrics_port, registry=metrics.registry)
-    console.print(
-        f"consumer [bold]{app.name}[/] on {', '.join(app.topics)} "
-        f"({len(app.handlers)} handlers, database {settings.safe_database_url})",
-        highlight=False,
-    )
-    daemon = ConsumerDaemon(app, settings, metrics)
-    run(lambda: aio.run(_serve(daemon, early_stop)))
-    console.print(f"[green]stopped[/] {metrics.counts}", highlight=False)
+    with early_stop_signals() as early_stop:
+        settings = settings_of(ctx)
+        app = run(lambda: load_consumer(target))
+        settings = app.settings or settings
+        metrics = Metrics(app.name)
+        daemon = ConsumerDaemon(app, settings, metrics)
+        server = None
+        if metrics_port is not None:
+            server = serve_http(metrics.registry, metrics_port, daemon.healthy, name="inbox-http")
+        notice(
+            f"consumer {app.name} on {', '.join(app.topics)} "
+            f"({len(app.handlers)} handlers, database {settings.safe_database_url})",
+            consumer=app.name,
+            topics=list(app.topics),
+        )
+        try:
+            run(lambda: aio.run(_serve(daemon, early_stop)))
+        finally:
+            if server is not None:
+                server.shutdown()
+    counts = metrics.counts
+    summary = ", ".join(f"{n} {name.replace('_', ' ')}" for name, n in counts.items())
+    notice(f"stopped: {summary}", style="green", consumer=app.name, **counts)

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from logging import WARNING
+
 import typer
 
-from cli.context import console, out, run, settings_of
+from cli.context import notice, out, run, settings_of
 from outbox import migrate
+from outbox.roles import roles_sql
 
 app = typer.Typer(help="Create and inspect the framework's tables.", no_args_is_help=True)
 
@@ -14,9 +17,10 @@ app = typer.Typer(help="Create and inspect the framework's tables.", no_args_is_
 def upgrade(ctx: typer.Context, revision: str = typer.Argument("head")) -> None:
     """Create or update the outbox tables (idempotent)."""
     settings = settings_of(ctx)
-    console.print(f"migrating {settings.safe_database_url} (schema {settings.db_schema})")
+    notice(f"migrating {settings.safe_database_url} (schema {settings.db_schema})")
     run(lambda: migrate.upgrade(settings, revision))
-    console.print(f"[green]at revision {run(lambda: migrate.current(settings))}[/]")
+    at = run(lambda: migrate.current(settings))
+    notice(f"at revision {at}", style="green", revision=at)
 
 
 @app.command()
@@ -27,12 +31,29 @@ def current(ctx: typer.Context) -> None:
     head = migrate.head()
     out.print(f"current: {rev or 'none'}  head: {head}", highlight=False)
     if rev != head:
-        console.print("[yellow]database is behind: run `outbox db upgrade`[/]")
+        notice("database is behind: run `outbox db upgrade`", style="yellow", level=WARNING)
         raise typer.Exit(1)
 
 
 @app.command()
-def sql(ctx: typer.Context, revision: str = typer.Argument("head")) -> None:
-    """Print the DDL (for teams that run their own migrations)."""
+def sql(
+    ctx: typer.Context,
+    revision: str = typer.Argument("head"),
+    roles: bool = typer.Option(
+        False,
+        "--roles",
+        help="Print the least-privilege job roles (producer, relay, consumer, operator) "
+        "and their grants instead of the DDL.",
+    ),
+    role_prefix: str | None = typer.Option(
+        None, help="Prefix of the role names (default: the table prefix, e.g. outbox_relay)."
+    ),
+) -> None:
+    """Print the DDL (for teams that run their own migrations), or with --roles the job
+    roles' script (run it as the tables' owner)."""
     settings = settings_of(ctx)
-    out.print(migrate.sql(settings, revision), highlight=False, markup=False)
+    if roles:
+        script = run(lambda: roles_sql(settings, role_prefix))
+    else:
+        script = run(lambda: migrate.sql(settings, revision))
+    out.print(script, highlight=False, markup=False, soft_wrap=True)

@@ -11,7 +11,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from cli.context import console, out, run, settings_of
+from cli.context import confirm, error, not_found, notice, out, run, settings_of
 from inbox import DeadLetterFilter, DeadLetters
 from outbox.settings import OutboxSettings
 
@@ -48,7 +48,10 @@ _CONSUMER = typer.Option(None, "--consumer", "-c", help="Consumer name.")
 _TOPIC = typer.Option(None, "--topic", help="Original topic.")
 _TYPE = typer.Option(None, "--type", help="CloudEvents type.")
 _ERROR = typer.Option(None, "--error-class", help="Error class, e.g. ValidationError.")
-_OLDER = typer.Option(None, "--older-than-hours", help="Dead-lettered before this many hours ago.")
+_OLDER = typer.Option(
+    None, "--older-than-hours", min=0, help="Dead-lettered before this many hours ago."
+)
+_SELECT = "give an EVENT_ID, a filter, or --all"
 
 
 @app.command("list")
@@ -59,7 +62,7 @@ def list_(
     event_type: str | None = _TYPE,
     error_class: str | None = _ERROR,
     older_than_hours: float | None = _OLDER,
-    limit: int = typer.Option(100, "--limit"),
+    limit: int = typer.Option(100, "--limit", min=1, help="At most this many."),
 ) -> None:
     """List dead letters (oldest first) with their state: dead, replaying or processed."""
     where = _filter(consumer, None, topic, event_type, error_class, older_than_hours)
@@ -78,7 +81,7 @@ def list_(
         )
     # Piped output (grep, scripts) must not be cut to 80 columns with ellipses.
     (out if out.is_terminal else Console(width=1_000)).print(table)
-    console.print(f"{len(letters)} dead letters", highlight=False)
+    notice(f"{len(letters)} dead letters", count=len(letters))
 
 
 @app.command()
@@ -120,14 +123,23 @@ def replay(
 ) -> None:
     """Re-deliver dead letters to their source topic; the handler runs once more."""
     if event_id is None and not all_ and not any((consumer, topic, event_type, error_class)):
-        console.print("[red]give an EVENT_ID, a filter, or --all[/]")
+        error(_SELECT)
         raise typer.Exit(2)
     where = _filter(consumer, event_id, topic, event_type, error_class, None)
     report = _with(settings_of(ctx), lambda d: d.replay(where))
     for x in report.refused:
-        console.print(f"[yellow]refused[/] {x.consumer} {x.event_id}: already processed")
-    console.print(
-        f"replayed {len(report.replayed)}, refused {len(report.refused)}", highlight=False
+        notice(
+            f"refused {x.consumer} {x.event_id}: already processed",
+            style="yellow",
+            consumer=x.consumer,
+            event_id=x.event_id,
+        )
+    if event_id is not None and not report.replayed and not report.refused:
+        not_found("dead letter", [event_id])
+    notice(
+        f"replayed {len(report.replayed)}, refused {len(report.refused)}",
+        replayed=len(report.replayed),
+        refused=len(report.refused),
     )
     if event_id is not None and not report.replayed:
         raise typer.Exit(1)
@@ -142,11 +154,21 @@ def purge(
     error_class: str | None = _ERROR,
     older_than_hours: float | None = _OLDER,
     all_: bool = typer.Option(False, "--all", help="Purge every dead letter (matching filters)."),
+    yes: bool = typer.Option(False, "--yes", "-y", help="Do not ask before purging many."),
 ) -> None:
-    """Delete dead-letter records (the inbox still remembers the event as dead-lettered)."""
-    if event_id is None and not all_ and not any((consumer, topic, error_class, older_than_hours)):
-        console.print("[red]give an EVENT_ID, a filter, or --all[/]")
+    """Delete dead-letter records (the inbox still remembers the event as dead-lettered).
+
+    Purging by filter or --all asks first (or needs --yes without a terminal)."""
+    filtered = any((consumer, topic, error_class, older_than_hours is not None))
+    if event_id is None and not all_ and not filtered:
+        error(_SELECT)
         raise typer.Exit(2)
+    settings = settings_of(ctx)
+    if event_id is None:
+        scope = " matching the filters" if filtered else ""
+        confirm(f"purge every dead letter{scope}", yes=yes)
     where = _filter(consumer, event_id, topic, None, error_class, older_than_hours)
-    n = _with(settings_of(ctx), lambda d: d.purge(where))
-    console.print(f"purged {n} dead letters", highlight=False)
+    n = _with(settings, lambda d: d.purge(where))
+    if event_id is not None and not n:
+        not_found("dead letter", [event_id])
+    notice(f"purged {n} dead letters", purged=n)

@@ -1,8 +1,11 @@
 """``outbox lag``, ``outbox doctor``, ``outbox status``, ``outbox cleanup``: operator tools.
 
 Exit codes: 0 fine; 1 a check failed or a service could not be reached (doctor/status:
-an error finding); 2 bad configuration, or warnings under ``doctor --strict``; 3 a
-``lag`` threshold (``--max-age``/``--max-pending``/``--max-consumer-lag``) was exceeded.
+an error finding; ``lag``: the database, or Kafka when it was asked, did not answer — the
+report is still printed, with what Kafka would have said shown as unknown); 2 bad
+configuration (refused credentials, unknown database or host), or warnings under
+``doctor --strict``; 3 a ``lag`` threshold (``--max-age``/``--max-pending``/
+``--max-consumer-lag``) was exceeded, or a consumer lag limit could not be checked.
 """
 
 from __future__ import annotations
@@ -11,7 +14,6 @@ import asyncio
 import contextlib
 import json
 import re
-import signal
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -21,15 +23,17 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from cli.context import console, out, run, settings_of
-from outbox.cleanup import Retention, TargetResult, run_cleanup
+from cli.context import error, notice, out, run, settings_of
+from outbox.daemon import stop_on_signals
 from outbox.db import async_engine
-from outbox.doctor import DoctorOptions, Finding, diagnose, exit_code, to_dicts
 from outbox.errors import ConfigurationError
-from outbox.lag import LagReport, RateTracker, Thresholds, collect
+from outbox.ops.cleanup import Retention, TargetResult, run_cleanup
+from outbox.ops.doctor import DoctorOptions, Finding, diagnose, exit_code, to_dicts
+from outbox.ops.lag import LagReport, RateTracker, Thresholds, collect
 from outbox.settings import OutboxSettings
 
 app = typer.Typer()
+KAFKA_FAILED = 1
 THRESHOLD_EXCEEDED = 3
 T = TypeVar("T")
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*$")
@@ -81,6 +85,20 @@ def _lanes(lanes: list[int]) -> str:
 # ----------------------------------------------------------------------------------- lag
 
 
+def _positive(value: float | None) -> float | None:
+    if value is not None and value <= 0:
+        raise typer.BadParameter(f"{value:g} is not a number of seconds above 0")
+    return value
+
+
+_STALE_OPTION = typer.Option(
+    None,
+    "--stale-after",
+    callback=_positive,
+    help="A relay without heartbeat for this long (s) is stale [default: 5 heartbeats].",
+)
+
+
 def _render_lag(report: LagReport, breaches: list[str]) -> Group:
     topics = Table(title=f"outbox ({report.mode}-mode) at {report.taken_at:%H:%M:%S} db time")
     for name in ("topic", "pending", "due", "oldest", "failed", "rate/s", "partitions"):
@@ -121,7 +139,9 @@ def _render_lag(report: LagReport, breaches: list[str]) -> Group:
             groups.add_row(
                 g.group, p.topic, str(p.partition), str(p.end_offset), committed, str(p.lag), dead
             )
-        if not g.partitions and not g.error:
+        if not g.measured and not g.error:
+            groups.add_row(g.group, "(lag unknown: Kafka not asked)", "", "", "", "?", dead)
+        elif not g.partitions and not g.error:
             groups.add_row(g.group, "(no committed offsets)", "", "", "", "0", dead)
     shown: list[Any] = [topics, relays, groups]
     if report.kafka_error:
@@ -141,13 +161,19 @@ def lag(
     watch: bool = typer.Option(False, "--watch", help="Refresh in place until Ctrl-C."),
     interval: float = typer.Option(2.0, "--interval", min=0.2, help="Seconds between refreshes."),
     max_age: float | None = typer.Option(
-        None, "--max-age", help="Exit 3 when the oldest due pending event is older (seconds)."
+        None,
+        "--max-age",
+        min=0,
+        help="Exit 3 when the oldest due pending event is older (seconds).",
     ),
     max_pending: int | None = typer.Option(
-        None, "--max-pending", help="Exit 3 when more events are pending."
+        None, "--max-pending", min=0, help="Exit 3 when more events are pending."
     ),
     max_consumer_lag: int | None = typer.Option(
-        None, "--max-consumer-lag", help="Exit 3 when a consumer group lags by more records."
+        None,
+        "--max-consumer-lag",
+        min=0,
+        help="Exit 3 when a consumer group lags by more records.",
     ),
     groups: list[str] = typer.Option([], "--group", help="Consumer group to inspect (repeatable)."),
     discover: bool = typer.Option(
@@ -156,11 +182,7 @@ def lag(
     topics: list[str] = typer.Option(
         [], "--topic", help="Always show this topic, even with nothing pending (repeatable)."
     ),
-    stale_after: float | None = typer.Option(
-        None,
-        "--stale-after",
-        help="A relay without heartbeat for this long (s) is not alive [default: 5 heartbeats].",
-    ),
+    stale_after: float | None = _STALE_OPTION,
     kafka: bool = typer.Option(True, "--kafka/--no-kafka", help="Ask Kafka too."),
     rate_sample: float = typer.Option(
         1.0,
@@ -188,22 +210,23 @@ def lag(
             rate_sample_seconds=0 if watch else rate_sample,
         )
 
-    async def once(engine: Any) -> list[str]:
+    async def once(engine: Any) -> tuple[LagReport, list[str]]:
         report = await snapshot(engine)
         breaches = thresholds.breaches(report)
         if as_json:
             out.print(_lag_json(report, breaches), markup=False, highlight=False, soft_wrap=True)
         else:
             out.print(_render_lag(report, breaches))
-        return breaches
+        return report, breaches
 
-    async def watching(engine: Any) -> list[str]:
+    async def watching(engine: Any) -> tuple[LagReport | None, list[str]]:
         stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
         breaches: list[str] = []
-        with Live(console=out, auto_refresh=False, transient=False) as live:
+        report: LagReport | None = None
+        with (
+            stop_on_signals(stop.set),
+            Live(console=out, auto_refresh=False, transient=False) as live,
+        ):
             while not stop.is_set():
                 report = await snapshot(engine)
                 breaches = thresholds.breaches(report)
@@ -215,12 +238,16 @@ def lag(
                     live.update(_render_lag(report, breaches), refresh=True)
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stop.wait(), interval)
-        return breaches
+        return report, breaches
 
-    breaches = _with_engine(settings, watching if watch else once)
+    last, breaches = _with_engine(settings, watching if watch else once)
+    if last is not None and last.kafka_failed:
+        # A probe that asked Kafka and got no answer must not pass as healthy.
+        error(f"Kafka did not answer: {last.kafka_error or 'see the consumer groups above'}")
+        raise typer.Exit(KAFKA_FAILED)
     if breaches:
         for b in breaches:
-            console.print(f"[bold red]threshold exceeded:[/] {b}", highlight=False)
+            error(f"threshold exceeded: {b}", breach=b)
         raise typer.Exit(THRESHOLD_EXCEEDED)
 
 
@@ -265,10 +292,7 @@ _TOPIC_OPTION = typer.Option(
     [], "--topic", help="Topic that must exist, as NAME or NAME:PARTITIONS (repeatable)."
 )
 _IDLE_OPTION = typer.Option(
-    60.0, "--idle-seconds", help="Flag sessions idle in a transaction for longer."
-)
-_STALE_OPTION = typer.Option(
-    None, "--stale-after", help="Relay heartbeat age (s) that is stale [default: 5 heartbeats]."
+    60.0, "--idle-seconds", min=0, help="Flag sessions idle in a transaction for longer."
 )
 
 
@@ -332,8 +356,8 @@ def status(
     )
     for g in report.groups:
         out.print(
-            f"consumer {g.group}: lag {g.total_lag}, {g.dead_letters} dead letters"
-            + (f" ({g.error})" if g.error else ""),
+            f"consumer {g.group}: lag {'unknown' if g.total_lag is None else g.total_lag}, "
+            f"{g.dead_letters} dead letters" + (f" ({g.error})" if g.error else ""),
             highlight=False,
         )
     counts = {level: sum(f.level == level for f in findings) for level in ("ok", "warn", "error")}
@@ -372,6 +396,11 @@ def cleanup(
     idempotency: bool = typer.Option(
         True, "--idempotency/--no-idempotency", help="Purge expired idempotency records."
     ),
+    effects: bool = typer.Option(
+        True,
+        "--effects/--no-effects",
+        help="Purge effect-ledger records (done/failed) past their dedupe window.",
+    ),
     pause: float = typer.Option(0.0, "--pause", min=0, help="Seconds to sleep between batches."),
 ) -> None:
     """Delete rows past retention in short, bounded batches that never lock a table."""
@@ -387,14 +416,16 @@ def cleanup(
             else default.inbox_seconds,
             failed_seconds=parse_duration(failed_older_than, "--failed-older-than"),
             idempotency=idempotency,
+            effects=effects,
         )
     )
 
     def progress(result: TargetResult) -> None:
         if not as_json and result.batches % 10 == 1:
-            console.print(
+            notice(
                 f"  {result.target}: {result.deleted} deleted ({result.batches} batches)",
-                highlight=False,
+                target=result.target,
+                deleted=result.deleted,
             )
 
     report = _with_engine(

@@ -6,7 +6,7 @@ import typer
 from rich.table import Table
 
 import relay
-from cli.context import console, out, run, settings_of
+from cli.context import confirm, error, not_found, out, run, settings_of
 from outbox import aio
 
 app = typer.Typer()  # merged into the root: `outbox relay` and `outbox failed ...`
@@ -29,7 +29,7 @@ def relay_command(
 
 def _ids(ids: list[int], all_: bool, verb: str) -> list[int] | None:
     if all_ == bool(ids):
-        console.print(f"[red]give the ids to {verb}, or --all[/]")
+        error(f"give the ids to {verb}, or --all")
         raise typer.Exit(2)
     return None if all_ else ids
 
@@ -69,7 +69,9 @@ def retry_command(
     settings = settings_of(ctx)
     chosen = _ids(ids or [], all_, "retry")
     moved = run(lambda: relay.retry_failed(settings, chosen))
-    out.print(f"requeued {len(moved)} row(s)", highlight=False)
+    if moved or chosen is None:
+        out.print(f"requeued {len(moved)} row(s)", highlight=False)
+    not_found("failed row", sorted(set(chosen or ()) - set(moved)))
 
 
 @failed_app.command("purge")
@@ -78,15 +80,22 @@ def purge_command(
     ids: list[int] = typer.Argument(None, help="Row ids (from `outbox failed list`)."),
     all_: bool = typer.Option(False, "--all", help="Delete every failed row."),
     older_than_hours: float | None = typer.Option(
-        None, "--older-than-hours", help="Only rows that failed longer ago than this."
+        None, "--older-than-hours", min=0, help="Only rows that failed longer ago than this."
     ),
+    yes: bool = typer.Option(False, "--yes", "-y", help="Do not ask before purging many."),
 ) -> None:
-    """Delete failed rows for good."""
+    """Delete failed rows for good. Purging --all or by age asks first (or needs --yes
+    without a terminal)."""
     settings = settings_of(ctx)
     chosen = (
         None
         if older_than_hours is not None and not ids and not all_
         else _ids(ids or [], all_, "purge")
     )
+    if chosen is None:
+        age = "" if older_than_hours is None else f" older than {older_than_hours:g} hours"
+        confirm(f"delete every failed row{age}", yes=yes)
     deleted = run(lambda: relay.purge_failed(settings, chosen, older_than_hours))
-    out.print(f"purged {len(deleted)} row(s)", highlight=False)
+    if deleted or chosen is None:
+        out.print(f"purged {len(deleted)} row(s)", highlight=False)
+    not_found("failed row", sorted(set(chosen or ()) - set(deleted)))

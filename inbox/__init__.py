@@ -14,6 +14,7 @@ Run it with ``outbox consume mymodule:app``.
 """
 
 from inbox.app import Consumer, Handler
+from inbox.context import EventContext
 from inbox.deadletters import DeadLetters, ReplayReport
 from inbox.errors import (
     ConsumerAppNotFound,
@@ -25,7 +26,7 @@ from inbox.event import InboxEvent
 from inbox.metrics import Metrics
 from inbox.runner import ConsumerDaemon
 from inbox.store import DeadLetter, DeadLetterFilter, InboxStore
-from outbox.retry import Permanent, Retryable
+from outbox.resilience.classify import Permanent, Retryable
 
 __all__ = [
     "Consumer",
@@ -35,6 +36,7 @@ __all__ = [
     "DeadLetterFilter",
     "DeadLetterNotFound",
     "DeadLetters",
+    "EventContext",
     "Handler",
     "HandlerConfigurationError",
     "InboxEvent",

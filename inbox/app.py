@@ -10,7 +10,9 @@
 
 A handler's first parameter decides what it receives: annotated with a pydantic model,
 the payload parsed into it (a validation error is permanent: dead-lettered at once);
-otherwise the raw :class:`~inbox.event.InboxEvent`. ``async def`` handlers get an
+otherwise the raw :class:`~inbox.event.InboxEvent`. A third parameter annotated
+:class:`~inbox.context.EventContext` receives the event's metadata (id, key, headers,
+partition, offset, attempt). ``async def`` handlers get an
 ``AsyncSession``; plain ``def`` handlers get a sync ``Session`` on the same connection
 and transaction (run through ``AsyncSession.run_sync``).
 """
@@ -21,11 +23,12 @@ import inspect
 import typing
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from inbox.context import EventContext
 from inbox.errors import HandlerConfigurationError
 from inbox.event import InboxEvent
 from outbox import identifiers
@@ -41,21 +44,29 @@ class Handler:
     model: type[BaseModel] | None
     is_async: bool
     max_attempts: int | None
+    # "skip": events carrying a sequence (``publish(..., sequence=N)``) not above the
+    # highest one applied for their key are skipped instead of handled.
+    stale: Literal["skip"] | None = None
+    # The handler declared a third parameter typed EventContext.
+    wants_context: bool = False
 
     def parse(self, event: InboxEvent) -> Any:
         if self.model is None:
             return event
         return self.model.model_validate_json(event.value or b"")
 
-    async def __call__(self, event: InboxEvent, session: AsyncSession) -> None:
+    async def __call__(self, event: InboxEvent, session: AsyncSession, attempt: int = 1) -> None:
         arg = self.parse(event)
+        extra = (EventContext.of(event, attempt),) if self.wants_context else ()
         if self.is_async:
-            await typing.cast(Awaitable[None], self.fn(arg, session))
+            await typing.cast(Awaitable[None], self.fn(arg, session, *extra))
         else:
-            await session.run_sync(lambda sync_session: self.fn(arg, sync_session))
+            await session.run_sync(lambda sync_session: self.fn(arg, sync_session, *extra))
 
 
-def _model_of(fn: HandlerFn) -> type[BaseModel] | None:
+def _signature_of(fn: HandlerFn) -> tuple[type[BaseModel] | None, bool]:
+    """The handler's payload model (None: it takes the raw event) and whether it takes
+    an :class:`EventContext` third."""
     params = list(inspect.signature(fn).parameters.values())
     if len(params) < 2:
         raise HandlerConfigurationError(f"handler {fn.__qualname__} must accept (event, session)")
@@ -66,9 +77,15 @@ def _model_of(fn: HandlerFn) -> type[BaseModel] | None:
             f"cannot resolve annotations of handler {fn.__qualname__}: {exc}"
         ) from None
     hint = hints.get(params[0].name)
-    if isinstance(hint, type) and issubclass(hint, BaseModel):
-        return hint
-    return None
+    model = hint if isinstance(hint, type) and issubclass(hint, BaseModel) else None
+    wants_context = len(params) > 2 and hints.get(params[2].name) is EventContext
+    extra = params[3:] if wants_context else params[2:]
+    if any(p.default is inspect.Parameter.empty for p in extra):
+        raise HandlerConfigurationError(
+            f"handler {fn.__qualname__} takes (event, session) and optionally a third "
+            "parameter annotated EventContext; any others need defaults"
+        )
+    return model, wants_context
 
 
 @dataclass
@@ -102,11 +119,23 @@ class Consumer:
                 )
 
     def handler(
-        self, event_type: str, *, max_attempts: int | None = None
+        self,
+        event_type: str,
+        *,
+        max_attempts: int | None = None,
+        stale: Literal["skip"] | None = None,
     ) -> Callable[[HandlerFn], HandlerFn]:
-        """Register the decorated function for CloudEvents type ``event_type``."""
+        """Register the decorated function for CloudEvents type ``event_type``.
+
+        ``stale="skip"`` guards the handler against out-of-date events: an event whose
+        ``sequence`` is not above the highest sequence this consumer applied for its key is
+        skipped (counted as stale), so a dead letter replayed late or a retried failed row
+        cannot overwrite newer state. Events without a sequence are handled as usual.
+        """
         if max_attempts is not None and max_attempts < 1:
             raise HandlerConfigurationError("max_attempts must be at least 1")
+        if stale not in (None, "skip"):
+            raise HandlerConfigurationError(f"stale must be 'skip' or None, not {stale!r}")
 
         def register(fn: HandlerFn) -> HandlerFn:
             if event_type in self.handlers:
@@ -114,12 +143,15 @@ class Consumer:
                     f"event type {event_type!r} already has handler "
                     f"{self.handlers[event_type].fn.__qualname__}"
                 )
+            model, wants_context = _signature_of(fn)
             self.handlers[event_type] = Handler(
                 event_type=event_type,
                 fn=fn,
-                model=_model_of(fn),
+                model=model,
+                wants_context=wants_context,
                 is_async=inspect.iscoroutinefunction(fn),
                 max_attempts=max_attempts,
+                stale=stale,
             )
             return fn
 

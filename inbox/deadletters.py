@@ -9,14 +9,18 @@ was processed since (an earlier replay) is refused.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
+from aiokafka.errors import KafkaError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from inbox.errors import DeadLetterNotFound
 from inbox.kafka import KafkaSink, dlq_producer
 from inbox.store import DeadLetter, DeadLetterFilter, InboxStore
+from outbox.daemon import start_kafka
 from outbox.db import async_engine, translated_errors
+from outbox.errors import BrokerUnavailable, ConfigurationError
 from outbox.settings import OutboxSettings
 from outbox.tables import build_tables
 
@@ -57,7 +61,15 @@ class DeadLetters:
         if not letters:
             return report
         producer = dlq_producer(self._settings)
-        await producer.start()
+        try:
+            await start_kafka(producer, self._settings)
+        except (KafkaError, ConfigurationError) as exc:
+            with contextlib.suppress(Exception):
+                await producer.stop()
+            if isinstance(exc, ConfigurationError):
+                raise
+            at = self._settings.kafka_bootstrap_servers
+            raise BrokerUnavailable(f"Kafka unreachable at {at}: {type(exc).__name__}") from exc
         sink = KafkaSink(producer)
         try:
             for letter in letters:

@@ -17,6 +17,13 @@ class DeadLetterNotFound(OutboxError):
     """No dead letter matches the given consumer and event id."""
 
 
+class InvalidSequence(OutboxError):
+    """An event's ``ce_sequence`` header is not a non-negative 64-bit integer, so a handler
+    guarded against stale events cannot order it (permanent: dead-lettered)."""
+
+    retriable = False
+
+
 class ReplayRefused(OutboxError):
     """The event was already processed (e.g. replayed before); replaying again would
     apply it twice."""

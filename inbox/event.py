@@ -11,6 +11,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from inbox.errors import InvalidSequence
+from outbox.envelope import MAX_SEQUENCE
+
 
 class KafkaRecord(Protocol):
     """The parts of an aiokafka ``ConsumerRecord`` the inbox reads."""
@@ -50,10 +53,7 @@ class InboxEvent:
 
     def header(self, name: str) -> str | None:
         """A header decoded as UTF-8 (the last one wins when repeated), or None."""
-        for hname, raw in reversed(self.headers):
-            if hname == name:
-                return raw.decode("utf-8", errors="replace")
-        return None
+        return header_text(self.headers, name)
 
     @property
     def source(self) -> str | None:
@@ -67,11 +67,33 @@ class InboxEvent:
     def content_type(self) -> str | None:
         return self.header("content-type")
 
+    @property
+    def sequence(self) -> int | None:
+        """The CloudEvents ``sequence`` extension as an integer (None when absent).
+
+        Raises :class:`~inbox.errors.InvalidSequence` when it is present but not a
+        non-negative integer: a stale-event guard cannot order such an event.
+        """
+        text = self.header("ce_sequence")
+        if text is None:
+            return None
+        if not (text.isascii() and text.isdigit()) or int(text) > MAX_SEQUENCE:
+            raise InvalidSequence(f"ce_sequence header {text[:40]!r} is not a 64-bit integer")
+        return int(text)
+
     def json(self) -> Any:
         """The value parsed as JSON."""
         import json
 
         return json.loads(self.value or b"null")
+
+
+def header_text(headers: Sequence[tuple[str, bytes]], name: str) -> str | None:
+    """Header ``name`` decoded as UTF-8 (the last one wins when repeated), or None."""
+    for hname, raw in reversed(headers):
+        if hname == name:
+            return raw.decode("utf-8", errors="replace")
+    return None
 
 
 def _text(headers: Sequence[tuple[str, bytes]], name: str) -> str | None:

@@ -8,7 +8,7 @@ import psycopg.errors
 from pydantic import ValidationError
 from sqlalchemy.exc import DBAPIError
 
-from outbox.retry import is_retryable
+from outbox.resilience.classify import is_retryable
 
 
 @dataclass(frozen=True)
@@ -29,7 +29,7 @@ def classify(exc: BaseException, max_chars: int) -> Failure:
 
     Validation errors are permanent: the same bytes fail the same way forever. Serialization
     failures and deadlocks are the database asking for a retry. Everything else follows
-    :func:`outbox.retry.is_retryable` (the exception's own ``retriable`` flag first).
+    :func:`outbox.resilience.classify.is_retryable` (the exception's own ``retriable`` flag first).
     """
     orig = exc.orig if isinstance(exc, DBAPIError) else exc
     if isinstance(exc, ValidationError):

@@ -8,9 +8,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from aiokafka import AIOKafkaProducer
-from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.admin import NewTopic
 from aiokafka.errors import KafkaError, TopicAlreadyExistsError
 
+from outbox.daemon import kafka_admin, kafka_producer, kafka_refusal, start_kafka
 from outbox.errors import BrokerUnavailable, TopicMissing
 from outbox.settings import OutboxSettings
 
@@ -22,9 +23,9 @@ async def ensure_topics(settings: OutboxSettings, topics: Sequence[str]) -> None
     """Source topics must exist; their dead-letter topics are created if missing
     (same partition count and replication) when ``consumer.dlq_create`` is on."""
     suffix = settings.consumer.dlq_suffix
-    admin = AIOKafkaAdminClient(bootstrap_servers=settings.kafka_bootstrap_servers)
+    admin = kafka_admin(settings)
     try:
-        await admin.start()
+        await start_kafka(admin, settings)
         described = {
             d["topic"]: d
             for d in await admin.describe_topics([*topics, *(t + suffix for t in topics)])
@@ -48,6 +49,9 @@ async def ensure_topics(settings: OutboxSettings, topics: Sequence[str]) -> None
                 await admin.create_topics(missing_dlq)
             log.info("created dead-letter topics", extra={"topics": [t.name for t in missing_dlq]})
     except KafkaError as exc:
+        refused = kafka_refusal(exc)
+        if refused is not None:
+            raise refused from None
         raise BrokerUnavailable(f"Kafka admin request failed: {type(exc).__name__}") from exc
     finally:
         await admin.close()
@@ -56,8 +60,8 @@ async def ensure_topics(settings: OutboxSettings, topics: Sequence[str]) -> None
 def dlq_producer(settings: OutboxSettings) -> AIOKafkaProducer:
     # acks=all + idempotence: a dead letter acknowledged once is never lost or doubled by
     # the producer's own retries.
-    return AIOKafkaProducer(
-        bootstrap_servers=settings.kafka_bootstrap_servers,
+    return kafka_producer(
+        settings,
         acks="all",
         enable_idempotence=True,
         max_request_size=max(settings.max_payload_bytes * 2, 1_048_576),

@@ -64,19 +64,19 @@ import asyncio
 import enum
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Protocol
 
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
-from inbox import failures
+from inbox import failures, tracing
 from inbox.app import Consumer, Handler
+from inbox.dead_lettering import DeadLetterer, DeadLetterSink
 from inbox.event import InboxEvent
 from inbox.failures import Failure
 from inbox.metrics import Metrics
-from inbox.store import DEAD_LETTERED, InboxStore, Marker, MarkerWrite
-from outbox.retry import RetryPolicy
+from inbox.store import InboxStore, Marker, MarkerWrite
+from outbox.resilience.retry import RetryPolicy
 from outbox.settings import ConsumerSettings
 
 log = logging.getLogger("outbox.inbox")
@@ -86,14 +86,6 @@ AHEAD = 32
 
 # (after_offset, limit) -> up to ``limit`` queued records with a higher offset, in order.
 Queued = Callable[[int, int], Sequence[InboxEvent]]
-
-
-class DeadLetterSink(Protocol):
-    async def send(
-        self, topic: str, key: bytes | None, value: bytes | None, headers: list[tuple[str, bytes]]
-    ) -> tuple[int, int]:
-        """Produce one record and wait for the broker's ack; return (partition, offset)."""
-        ...
 
 
 class _Keep(enum.Enum):
@@ -163,6 +155,9 @@ class PartitionProcessor:
     _mine: set[tuple[int, int]] = field(default_factory=set, init=False)
     # (offset, error) of the handler that failed in a shared transaction, to resume from.
     _failed: tuple[int, Exception] | None = field(default=None, init=False)
+
+    def __post_init__(self) -> None:
+        self._dead = DeadLetterer(self.app.name, self.config, self.store, self.sink)
 
     @property
     def consumer(self) -> str:
@@ -428,14 +423,31 @@ class PartitionProcessor:
             return handler.max_attempts
         return self.config.max_attempts
 
-    async def _run_handler(self, event: InboxEvent, session: AsyncSession) -> None:
+    async def _run_handler(
+        self, event: InboxEvent, session: AsyncSession, attempt: int = 1
+    ) -> None:
         handler = self._handler(event)
         assert handler is not None
+        if handler.stale is not None and await self._stale(event, session):
+            return
         started = time.perf_counter()
         try:
-            await handler(event, session)
+            with tracing.process(event, self.consumer, attempt):
+                await handler(event, session, attempt)
         finally:
             self.metrics.handler_seconds(time.perf_counter() - started)
+
+    async def _stale(self, event: InboxEvent, session: AsyncSession) -> bool:
+        """True when the event's sequence is not above the one applied for its key (the
+        guard's check and advance are one statement in the handler's transaction)."""
+        sequence = event.sequence  # InvalidSequence: permanent, dead-lettered
+        if sequence is None or event.key is None:
+            return False
+        if await self.store.advance_sequence(session, self.consumer, event.key, sequence):
+            return False
+        self.metrics.stale()
+        log.debug("stale event skipped", extra={"event_id": event.event_id, "sequence": sequence})
+        return True
 
     async def _fast(self, chunk: Sequence[InboxEvent], at_commit: AtCommit) -> int:
         """One transaction, no savepoints. Raises _Stop if anything failed (rolled back)."""
@@ -470,6 +482,8 @@ class PartitionProcessor:
         self._committed(at_commit)
         self.metrics.processed(len(fresh))
         self.metrics.duplicates(len(chunk) - len(fresh))
+        if len(fresh) < len(chunk):
+            _trace_duplicates(chunk, fresh, unique, self.consumer)
         await self._progress(chunk[-1])
         return len(chunk)
 
@@ -481,7 +495,7 @@ class PartitionProcessor:
         async with self.sessions() as session, session.begin():
             for index, event in enumerate(chunk):
                 if self._needs_policy(event):
-                    if await self._apply_policy(session, event):
+                    if await self._dead.apply_policy(session, event):
                         dead += 1
                     else:
                         skipped += 1
@@ -491,6 +505,7 @@ class PartitionProcessor:
                     if not await self.store.claim(session, self.consumer, [event]):
                         await savepoint.commit()
                         duplicates += 1
+                        tracing.duplicate(event, self.consumer)
                         continue
                     await self._run_handler(event, session)
                     await savepoint.commit()  # flushes: handler write errors surface here
@@ -501,7 +516,7 @@ class PartitionProcessor:
                     if failure.retryable and self._max_attempts(event) > 1:
                         stop = _RetryAlone(index, failure)
                         break
-                    if await self._dead_letter(session, event, failure, attempts=1):
+                    if await self._dead.send(session, event, failure, attempts=1):
                         dead += 1
             if stop is None:
                 await self._write_at_commit(session, at_commit)
@@ -533,7 +548,7 @@ class PartitionProcessor:
         count if this attempt kills the process. False if stopped before finishing."""
         if self._needs_policy(event):
             async with self.sessions() as session, session.begin():
-                dead = await self._apply_policy(session, event)
+                dead = await self._dead.apply_policy(session, event)
                 await self.store.finish_marker(session, self.consumer, self.topic, self.partition)
             self._finished()
             self._count(0, 0, int(dead), int(not dead))
@@ -563,7 +578,9 @@ class PartitionProcessor:
                         session, self.consumer, [event], attempts=attempts
                     )
                     if fresh:
-                        await self._run_handler(event, session)
+                        await self._run_handler(event, session, attempts)
+                    else:
+                        tracing.duplicate(event, self.consumer)
                     await self.store.finish_marker(
                         session, self.consumer, self.topic, self.partition
                     )
@@ -575,6 +592,8 @@ class PartitionProcessor:
                     extra={
                         "consumer": self.consumer,
                         "event_id": event.event_id,
+                        "topic": event.topic,
+                        "partition": event.partition,
                         "attempt": attempts,
                         "error": failure.error_class,
                         "retryable": failure.retryable,
@@ -600,81 +619,19 @@ class PartitionProcessor:
 
     async def _dead_letter_alone(self, event: InboxEvent, failure: Failure, attempts: int) -> None:
         async with self.sessions() as session, session.begin():
-            dead = await self._dead_letter(session, event, failure, attempts)
+            dead = await self._dead.send(session, event, failure, attempts)
             await self.store.finish_marker(session, self.consumer, self.topic, self.partition)
         self._finished()
         self._count(0, int(not dead), int(dead), 0)
         await self._progress(event)
 
-    # ------------------------------------------------------------- dead letters
 
-    async def _apply_policy(self, session: AsyncSession, event: InboxEvent) -> bool:
-        """Unknown type or malformed record: dead-letter or skip. True if dead-lettered."""
-        if event.malformed is not None:
-            failure, policy = failures.malformed(event.malformed), self.config.malformed_policy
-        else:
-            failure = failures.unknown_type(event.event_type)
-            policy = self.config.unknown_type_policy
-        if policy == "skip":
-            log.debug("skipped", extra={"event_id": event.event_id, "reason": failure.message})
-            return False
-        return await self._dead_letter(session, event, failure, attempts=0)
-
-    async def _dead_letter(
-        self, session: AsyncSession, event: InboxEvent, failure: Failure, attempts: int
-    ) -> bool:
-        """Send the original record to the DLQ and record it, in ``session``'s transaction.
-
-        The inbox row is claimed first: a duplicate is not dead-lettered twice. The produce
-        is acknowledged before the commit; a crash in between re-sends it (the DLQ topic is
-        at-least-once; the dead_letters table, keyed by event id, is the source of truth).
-        """
-        claimed = await self.store.claim(
-            session,
-            self.consumer,
-            [event],
-            status=DEAD_LETTERED,
-            attempts=attempts,
-            last_error=failure.text(),
-        )
-        if not claimed:
-            return False
-        dlq_topic = event.topic + self.config.dlq_suffix
-        headers = [
-            *event.headers,
-            ("dlq_error_class", failure.error_class.encode()),
-            ("dlq_error_message", failure.message.encode()),
-            ("dlq_attempts", str(attempts).encode()),
-            ("dlq_consumer", self.consumer.encode()),
-            ("dlq_original_topic", event.topic.encode()),
-            ("dlq_original_partition", str(event.partition).encode()),
-            ("dlq_original_offset", str(event.offset).encode()),
-        ]
-        partition, offset = await self.sink.send(dlq_topic, event.key, event.value, headers)
-        await self.store.add_dead_letter(
-            session,
-            self.consumer,
-            event,
-            error_class=failure.error_class,
-            error_message=failure.message,
-            attempts=attempts,
-            dlq_topic=dlq_topic,
-            dlq_partition=partition,
-            dlq_offset=offset,
-        )
-        log.warning(
-            "dead-lettered",
-            extra={
-                "consumer": self.consumer,
-                "event_id": event.event_id,
-                "topic": event.topic,
-                "partition": event.partition,
-                "offset": event.offset,
-                "error": failure.error_class,
-                "attempts": attempts,
-            },
-        )
-        return True
+def _trace_duplicates(
+    run: Sequence[InboxEvent], fresh: Collection[str], unique: dict[str, InboxEvent], consumer: str
+) -> None:
+    for event in run:
+        if event.event_id not in fresh or unique[event.event_id] is not event:
+            tracing.duplicate(event, consumer)
 
 
 def _span(run: Sequence[InboxEvent]) -> tuple[int, int]:
@@ -759,4 +716,6 @@ async def process_together(
         p._committed(marker)
         p.metrics.processed(new)
         p.metrics.duplicates(len(run) - new)
+        if new < len(run):
+            _trace_duplicates(run, fresh, unique, consumer)
         await p._progress(run[-1])

@@ -35,14 +35,21 @@ from inbox.kafka import KafkaSink, dlq_producer, ensure_topics
 from inbox.metrics import Metrics
 from inbox.processor import PartitionProcessor, process_together
 from inbox.store import InboxStore
-from outbox.db import async_engine
-from outbox.errors import ConfigurationError, OutboxError
-from outbox.retry import RetryPolicy
+from outbox.daemon import kafka_consumer, start_kafka, with_client_options
+from outbox.db import async_engine, unavailable
+from outbox.errors import BrokerUnavailable, OutboxError
+from outbox.outages import Dependency
+from outbox.resilience.retry import RetryPolicy
 from outbox.settings import OutboxSettings
 from outbox.tables import build_tables
 
 log = logging.getLogger("outbox.inbox")
 STATUS_EVERY_SECONDS = 10.0
+# /healthz says 503 when fetched records have waited this long without any partition
+# committing: stuck (the database down, a handler hanging), not merely idle. Long enough
+# for a retry's backoff, so a flaky handler does not get the process restarted.
+STALLED_AFTER_SECONDS = 120.0
+KAFKA_CHECK_SECONDS = 5.0
 
 
 def _transient(exc: BaseException) -> bool:
@@ -79,6 +86,9 @@ class ConsumerDaemon:
     _pending_offsets: dict[TopicPartition, int] = field(default_factory=dict, init=False)
     _offsets_ready: asyncio.Event = field(default_factory=asyncio.Event, init=False)
     _failure: BaseException | None = field(default=None, init=False)
+    _running: bool = field(default=False, init=False)
+    _progress_at: float = field(default_factory=time.monotonic, init=False)
+    _watcher: asyncio.Task[None] | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         if self.metrics is None:
@@ -92,27 +102,31 @@ class ConsumerDaemon:
         # the next one instead of each running its own transaction meanwhile.
         self._shared = asyncio.Lock()
         self._store = InboxStore(build_tables(self.settings))
+        # Shared by every partition: one log line per outage, not one per partition and try.
+        self.database = Dependency("database", log)
+        self.kafka = Dependency("Kafka", log)
 
     # ------------------------------------------------------------------ lifecycle
 
     async def run(self, stop: asyncio.Event) -> None:
         """Consume until ``stop`` is set; then finish in-flight batches, commit, leave."""
         config = self.settings.consumer
-        await ensure_topics(self.settings, self.app.topics)
+        # Before joining the group: a member that cannot process would take partitions
+        # from healthy ones. Configuration errors end the run here (exit 2).
+        if not await self._database_ready(stop):
+            return
+        # The app's own Kafka options (TLS, SASL, tuning) reach the admin client and the
+        # dead-letter producer too, not only the consumer.
+        settings = with_client_options(self.settings, self.app.kafka_options)
+        await ensure_topics(settings, self.app.topics)
         options: dict[str, Any] = {
             "auto_offset_reset": "earliest",
             "max_poll_records": config.max_batch_records,
             **self.app.kafka_options,
         }
-        try:
-            kafka = AIOKafkaConsumer(
-                bootstrap_servers=self.settings.kafka_bootstrap_servers,
-                group_id=self.app.name,
-                enable_auto_commit=False,
-                **options,
-            )
-        except (TypeError, ValueError) as exc:  # an unknown or impossible kafka_options entry
-            raise ConfigurationError(f"invalid Kafka consumer option: {exc}") from None
+        kafka = kafka_consumer(
+            settings, group_id=self.app.name, enable_auto_commit=False, **options
+        )
         # Two pools. Runs and shared transactions start on the autocommit one, where the
         # claim opens the transaction itself (BEGIN rides in its round trip) and attempt
         # markers commit alone; the paths that begin with other statements (savepoints,
@@ -128,18 +142,23 @@ class ConsumerDaemon:
             self.settings, pool_pre_ping=False, isolation_level="AUTOCOMMIT", **pool
         )
         sessions = async_sessionmaker(self._engine, expire_on_commit=False)
-        producer = dlq_producer(self.settings)
+        producer = dlq_producer(settings)
         self._kafka = kafka
         try:
-            await producer.start()
-            await kafka.start()
+            await start_kafka(producer, settings)
+            await start_kafka(kafka, settings)
             kafka.subscribe(list(self.app.topics), listener=_Listener(self))
+            self._watcher = asyncio.create_task(self._watch_kafka(kafka))
+            self._running = True
             log.info(
                 "consumer started",
                 extra={"consumer": self.app.name, "topics": list(self.app.topics)},
             )
             await self._loop(stop, sessions, KafkaSink(producer))
         finally:
+            self._running = False
+            if self._watcher is not None:
+                self._watcher.cancel()
             await self.release(list(self._lanes))
             await kafka.stop()  # leaves the group so partitions move on at once
             await producer.stop()
@@ -149,9 +168,66 @@ class ConsumerDaemon:
         if self._failure is not None:
             raise self._failure
 
+    def dependency_of(self, exc: BaseException) -> Dependency:
+        """Which service a transient error is about (the DLQ producer's are Kafka's)."""
+        if isinstance(exc, BrokerUnavailable | KafkaError):
+            return self.kafka
+        return self.database
+
+    def healthy(self) -> bool:
+        """What ``/healthz`` reports: running, no background task failed, and not stalled
+        (records waiting while nothing committed for ``STALLED_AFTER_SECONDS``). A member
+        with no partitions (more members than partitions) is idle, not unhealthy."""
+        waiting = any(lane.events for lane in self._lanes.values())
+        stalled = waiting and time.monotonic() - self._progress_at > STALLED_AFTER_SECONDS
+        return self._running and self._failure is None and not stalled
+
     def _counts(self) -> dict[str, int]:
         assert self.metrics is not None
-        return dict(self.metrics.counts)
+        return {
+            **self.metrics.counts,
+            "database_retries": self.database.tries,
+            "kafka_retries": self.kafka.tries,
+        }
+
+    async def _database_ready(self, stop: asyncio.Event) -> bool:
+        """Connect once: a refusal (credentials, unknown database, TLS) raises at once;
+        while the database is merely unreachable (still starting), wait with backoff.
+        False when stopped meanwhile."""
+        engine = async_engine(self.settings, pool_size=1, max_overflow=0)
+        try:
+            while True:  # at least one try, even when asked to stop already
+                try:
+                    async with engine.connect():
+                        self.database.ok()
+                        return True
+                except DBAPIError as exc:
+                    error = unavailable(exc)
+                    if not error.retriable:
+                        raise error from None
+                    self.database.failed(error)
+                if stop.is_set():
+                    return False
+                delay = self._policy.backoff(min(self.database.failures, 10))
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), delay)
+        finally:
+            await engine.dispose()
+
+    async def _watch_kafka(self, kafka: AIOKafkaConsumer) -> None:
+        """Ask for metadata now and then: the fetch loop does not see an outage (aiokafka
+        retries inside ``getmany``), this turns it into one line down, one line up."""
+        client = kafka._client  # aiokafka exposes no public "is the cluster reachable?"
+        while True:
+            await asyncio.sleep(KAFKA_CHECK_SECONDS)
+            try:
+                ok = await asyncio.wait_for(client.force_metadata_update(), KAFKA_CHECK_SECONDS)
+            except (KafkaError, OSError, TimeoutError):
+                ok = False
+            if ok:
+                self.kafka.ok()
+            else:
+                self.kafka.failed("metadata request failed")
 
     async def _loop(
         self, stop: asyncio.Event, sessions: async_sessionmaker[AsyncSession], sink: KafkaSink
@@ -166,6 +242,8 @@ class ConsumerDaemon:
                 batches = await self._kafka.getmany(
                     timeout_ms=config.fetch_timeout_ms, max_records=config.max_batch_records * 4
                 )
+                if batches:
+                    self.kafka.ok()  # records arrived: Kafka is back (if it was gone)
                 for tp, records in batches.items():
                     if records:
                         self._lane(tp, sessions, sink).feed(records)
@@ -243,6 +321,7 @@ class ConsumerDaemon:
         assert self._kafka is not None
         try:
             await self._kafka.commit(offsets)
+            self.kafka.ok()
             return
         except (CommitFailedError, IllegalStateError) as exc:
             if len(offsets) == 1:
@@ -254,10 +333,9 @@ class ConsumerDaemon:
                 )
                 return
         except KafkaError as exc:
-            log.warning(
-                "offset commit failed",
-                extra={"partitions": sorted(map(str, offsets)), "error": type(exc).__name__},
-            )
+            # Kafka unreachable: one line per outage (the records are re-read after a
+            # restart at worst, and the inbox skips them).
+            self.kafka.failed(f"offset commit failed: {type(exc).__name__}")
             return
         for tp, offset in offsets.items():
             await self._commit({tp: offset})
@@ -313,11 +391,13 @@ class _Lane:
 
     async def progress(self, offset: int) -> None:
         self.position = offset
+        self.daemon._progress_at = time.monotonic()
         self.daemon._offset_done(self.tp, offset)
 
     async def work(self) -> None:
         stopping = self.processor.stopping
         failures = 0
+        down: Dependency | None = None
         rest = self.daemon.settings.consumer.disarm_idle_seconds
         while not stopping.is_set():
             if not self.events:
@@ -340,20 +420,18 @@ class _Lane:
                 try:
                     if not await self._together():
                         await self.processor.process(self.queued)
+                    if failures:
+                        self.daemon.database.ok()
+                        if down is self.daemon.kafka:
+                            self.daemon.kafka.ok()
                     failures = 0
                 except Exception as exc:
                     if not _transient(exc):
                         raise
                     failures += 1
                     delay = self.daemon._policy.backoff(min(failures, 10))
-                    log.warning(
-                        "infrastructure error, retrying batch",
-                        extra={
-                            "partition": str(self.tp),
-                            "error": type(exc).__name__,
-                            "retry_in": round(delay, 2),
-                        },
-                    )
+                    down = self.daemon.dependency_of(exc)
+                    down.failed(_cause(exc))
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(stopping.wait(), delay)
                 finally:
@@ -451,6 +529,15 @@ class _Lane:
                 lane.busy = False
                 lane.idle.set()
         return True
+
+
+def _cause(exc: BaseException) -> str:
+    """The error's class and, for framework errors, its message (they never hold secrets)."""
+    if isinstance(exc, OutboxError):
+        return f"{type(exc).__name__}: {exc}"
+    if isinstance(exc, DBAPIError):
+        return str(unavailable(exc))
+    return type(exc).__name__
 
 
 def _offset(event: InboxEvent) -> int:

@@ -457,6 +457,26 @@ class InboxStore:
         key = {"m_consumer": consumer, "m_topic": topic, "m_partition": partition}
         await db.execute(self._finish_marker, key)
 
+    async def advance_sequence(
+        self, db: Executor, consumer: str, key: bytes, sequence: int
+    ) -> bool:
+        """Record ``sequence`` as the highest applied for ``key`` unless one at least as
+        high is recorded; True when it advanced (the event is current, not stale).
+
+        Runs in the handler's transaction: the row stays locked until that commits, so two
+        events of one key handled at once (a replay racing the live stream) are ordered by
+        the lock and the later one re-checks against the committed value.
+        """
+        t = self.tables.inbox_sequences
+        new = insert(t).values(consumer=consumer, key=key, sequence=sequence)
+        stmt = new.on_conflict_do_update(
+            index_elements=[t.c.consumer, t.c.key],
+            set_={"sequence": new.excluded.sequence, "updated_at": func.now()},
+            where=t.c.sequence < new.excluded.sequence,
+        ).returning(t.c.sequence)
+        result = await db.execute(stmt)
+        return result.first() is not None
+
     async def disarm_marker(
         self, db: Executor, consumer: str, topic: str, partition: int, span: tuple[int, int]
     ) -> None:

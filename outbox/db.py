@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -11,7 +12,7 @@ from sqlalchemy import Engine, create_engine
 from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
-from outbox.errors import DatabaseUnavailable, SchemaMissing
+from outbox.errors import DatabaseRefused, DatabaseUnavailable, SchemaMissing
 from outbox.settings import OutboxSettings
 
 
@@ -27,6 +28,87 @@ def async_engine(settings: OutboxSettings, **kwargs: Any) -> AsyncEngine:
     return create_async_engine(settings.sqlalchemy_url, **kwargs)
 
 
+# Connection failures carry no SQLSTATE in psycopg (there is no server result yet): the
+# cause is read from libpq's message. Each pattern gives the SQLSTATE the server sent (when
+# it answered), a short cause, and whether retrying can help.
+_CONNECT_CAUSES: tuple[tuple[re.Pattern[str], str | None, str, bool], ...] = (
+    (re.compile(r"password authentication failed"), "28P01", "authentication failed", False),
+    (re.compile(r"no pg_hba\.conf entry|role .* does not exist"), "28000", "access refused", False),
+    (re.compile(r"database .* does not exist"), "3D000", "unknown database", False),
+    (
+        re.compile(r"SSL|certificate|sslmode|TLS", re.I),
+        None,
+        "TLS refused or not verified",
+        False,
+    ),
+    (
+        re.compile(r"failed to resolve host|could not translate host name|Name or service"),
+        None,
+        "unknown host",
+        False,
+    ),
+    (re.compile(r"Connection refused"), None, "connection refused", True),
+    (re.compile(r"timeout expired|timed out", re.I), None, "connection timed out", True),
+    (
+        re.compile(r"the database system is (starting up|shutting down|in recovery)"),
+        "57P03",
+        "database starting or stopping",
+        True,
+    ),
+)
+# Never echo a DSN: a URL with credentials, or key=value pairs of a libpq string.
+_SECRETS = re.compile(r"\w+://[^\s@/]*@\S*|password\s*=\s*\S+", re.I)
+
+
+def _scrub(text: str) -> str:
+    return _SECRETS.sub("<dsn hidden>", text)
+
+
+def _connect_message(orig: BaseException) -> str:
+    """libpq's reason, without the repeated "connection to server ... failed:" prefixes."""
+    lines = [line.strip() for line in str(orig).splitlines() if line.strip()]
+    first = lines[0] if lines else type(orig).__name__
+    where, _, why = first.rpartition(" failed: ")
+    where = where.removeprefix("connection failed: ").removeprefix("connection to ")
+    reason = why or first
+    reason = re.sub(r"^(FATAL|ERROR):\s+", "", reason)
+    text = f"{reason} ({where})" if why and where else reason
+    return _scrub(text)
+
+
+def describe(exc: BaseException) -> tuple[str | None, str, bool]:
+    """(SQLSTATE or None, a one-line message, retriable) for a psycopg/SQLAlchemy error.
+
+    A server error gives its SQLSTATE and primary message; a connection that failed before
+    the server answered gives libpq's reason (host and port, never the DSN or password).
+    """
+    orig = getattr(exc, "orig", exc)
+    if isinstance(orig, psycopg.Error) and orig.sqlstate:
+        primary = orig.diag.message_primary or type(orig).__name__
+        # Only a refused login or an unknown database is configuration; anything else the
+        # server says on a live connection (serialization, lock timeout, shutdown) is worth
+        # another try.
+        refused = orig.sqlstate.startswith("28") or orig.sqlstate == "3D000"
+        return orig.sqlstate, _scrub(primary), not refused
+    if isinstance(orig, psycopg.OperationalError | psycopg.InterfaceError):
+        message = _connect_message(orig)
+        for pattern, sqlstate, cause, retriable in _CONNECT_CAUSES:
+            if pattern.search(message):
+                return sqlstate, f"{cause}: {message}", retriable
+        return None, message, True
+    return None, type(orig).__name__, True
+
+
+def unavailable(exc: BaseException) -> DatabaseUnavailable | DatabaseRefused:
+    """The framework error for a failed connection or statement: refused for good
+    (configuration: exit 2) or unavailable (retried)."""
+    sqlstate, message, retriable = describe(exc)
+    code = f" [SQLSTATE {sqlstate}]" if sqlstate else ""
+    if retriable:
+        return DatabaseUnavailable(f"database unavailable: {message}{code}", sqlstate)
+    return DatabaseRefused(f"database configuration error: {message}{code}", sqlstate)
+
+
 def translate(exc: BaseException) -> BaseException:
     """Map a driver error onto the framework's tree (unknown errors pass through)."""
     orig = getattr(exc, "orig", exc)
@@ -34,11 +116,16 @@ def translate(exc: BaseException) -> BaseException:
         return SchemaMissing(f"outbox table missing ({orig.diag.message_primary})")
     if isinstance(orig, psycopg.errors.InvalidSchemaName):
         return SchemaMissing(f"outbox schema missing ({orig.diag.message_primary})")
-    if isinstance(exc, OperationalError) or (
-        isinstance(exc, DBAPIError) and exc.connection_invalidated
+    if isinstance(
+        orig, psycopg.errors.InvalidAuthorizationSpecification | psycopg.errors.InvalidCatalogName
     ):
-        # str(exc) of a connection failure can include the DSN; report the class only.
-        return DatabaseUnavailable(f"database unavailable: {type(orig).__name__}")
+        return unavailable(orig)
+    if (
+        isinstance(exc, OperationalError)
+        or (isinstance(exc, DBAPIError) and exc.connection_invalidated)
+        or isinstance(orig, psycopg.OperationalError)
+    ):
+        return unavailable(orig)
     return exc
 
 

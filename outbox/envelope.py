@@ -19,14 +19,20 @@ from pydantic import BaseModel
 from pydantic_core import PydanticSerializationError, to_json
 
 from outbox import identifiers
+from outbox.canonical import canonical_json
 from outbox.errors import PayloadError, PayloadTooLarge
 
 JSON = "application/json"
 OCTET_STREAM = "application/octet-stream"
 # Headers the relay writes itself (CloudEvents Kafka binding, binary mode).
 RESERVED_HEADERS = frozenset(
-    {"ce_id", "ce_type", "ce_source", "ce_time", "ce_specversion", "content-type"}
+    {"ce_id", "ce_type", "ce_source", "ce_time", "ce_specversion", "content-type", "ce_sequence"}
 )
+# The CloudEvents `sequence` extension, set from ``publish(..., sequence=N)``. The spec
+# compares sequence values as strings, so N is written zero-padded to 20 digits: string
+# order is then numeric order for every non-negative 64-bit integer.
+SEQUENCE_HEADER = "ce_sequence"
+MAX_SEQUENCE = 2**63 - 1
 
 Payload = BaseModel | Mapping[str, Any] | list[Any] | bytes | bytearray | memoryview
 
@@ -42,6 +48,7 @@ class MessageFields(TypedDict, total=False):
     headers: Mapping[str, str]
     source: str | None
     delay_seconds: float
+    sequence: int | None
 
 
 @dataclass(frozen=True)
@@ -56,6 +63,9 @@ class Message:
     headers: Mapping[str, str] = field(default_factory=dict)
     source: str | None = None
     delay_seconds: float = 0.0
+    # The key's version (e.g. the aggregate's version): consumers with a stale-event guard
+    # skip an event whose sequence is not above the highest one they applied for its key.
+    sequence: int | None = None
 
 
 @dataclass(frozen=True)
@@ -142,6 +152,16 @@ def _headers(headers: Mapping[str, str]) -> dict[str, str]:
     return out
 
 
+def _sequence(value: int | None, key: bytes | None) -> str | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_SEQUENCE:
+        raise PayloadError(f"sequence must be an integer from 0 to {MAX_SEQUENCE}")
+    if key is None:
+        raise PayloadError("sequence needs a key: it orders the versions of one key")
+    return f"{value:020d}"
+
+
 def _fingerprint(topic: str, key: bytes | None, event_type: str, payload: bytes) -> bytes:
     h = hashlib.sha256()
     for part in (topic.encode(), key, event_type.encode(), payload):
@@ -149,6 +169,35 @@ def _fingerprint(topic: str, key: bytes | None, event_type: str, payload: bytes)
         h.update((-1 if part is None else len(part)).to_bytes(8, "big", signed=True))
         h.update(part or b"")
     return h.digest()
+
+
+@dataclass(frozen=True)
+class StoredEvent:
+    """The columns of a stored event that say which event it is."""
+
+    topic: str
+    key: bytes | None
+    event_type: str
+    content_type: str
+    payload: bytes
+
+
+def same_event(row: Row, stored: StoredEvent) -> bool:
+    """Whether ``stored`` is the event ``row`` describes although their fingerprints differ.
+
+    Fingerprints hash the payload bytes, but a JSON payload re-encoded with its members in
+    another order (or ``1.0`` for ``1``) is the same event: two JSON payloads are the same
+    when their RFC 8785 canonical forms are. Called only after the fingerprints differ, so
+    the common publish path never pays for canonicalization.
+    """
+    if (stored.topic, stored.key, stored.event_type) != (row.topic, row.key, row.event_type):
+        return False
+    if stored.content_type != JSON or row.content_type != JSON:
+        return False
+    try:
+        return canonical_json(json.loads(stored.payload)) == canonical_json(json.loads(row.payload))
+    except (ValueError, PayloadError):
+        return False  # no canonical form (e.g. an integer beyond 2**53): the bytes decided
 
 
 def prepare(message: Message, *, lanes: int, max_bytes: int, default_source: str) -> Row:
@@ -161,6 +210,9 @@ def prepare(message: Message, *, lanes: int, max_bytes: int, default_source: str
     payload, content_type = encode_payload(message.payload)
     key = _encode_key(message.key)
     headers = _headers(message.headers)
+    sequence = _sequence(message.sequence, key)
+    if sequence is not None:
+        headers[SEQUENCE_HEADER] = sequence
     size = len(payload) + len(key or b"") + sum(len(k) + len(v) for k, v in headers.items())
     if size > max_bytes:
         raise PayloadTooLarge(size, max_bytes)

@@ -21,6 +21,16 @@ class ConfigurationError(OutboxError):
     """Settings are invalid (bad DSN, bad identifier, impossible limits)."""
 
 
+class ConnectionRefused(ConfigurationError):
+    """A service refused this configuration for good: bad credentials, an untrusted
+    certificate, the wrong protocol for the port, an unknown database. Retrying cannot
+    help, so daemons stop (exit code 2) instead of retrying forever. The message names the
+    cause and the setting to check, never a password. ``service`` says which one refused:
+    see :class:`DatabaseRefused` and :class:`BrokerRefused`."""
+
+    service = "a service"
+
+
 class InvalidIdentifier(ConfigurationError):
     """A schema, table prefix, topic or consumer name is not a safe identifier."""
 
@@ -60,9 +70,27 @@ class PayloadMismatch(OutboxError):
 
 
 class DatabaseUnavailable(OutboxError):
-    """The database could not be reached or the connection dropped."""
+    """The database could not be reached or the connection dropped (worth retrying)."""
 
     retriable = True
+
+    service = "PostgreSQL"
+
+    def __init__(self, message: str, sqlstate: str | None = None) -> None:
+        super().__init__(message)
+        self.sqlstate = sqlstate
+
+
+class DatabaseRefused(ConnectionRefused):
+    """The database answered and refused this configuration for good: authentication
+    (SQLSTATE 28P01/28000), an unknown database (3D000), TLS refused, a host name that does
+    not resolve. Retrying cannot help; daemons exit with code 2 at start-up."""
+
+    service = "PostgreSQL"
+
+    def __init__(self, message: str, sqlstate: str | None = None) -> None:
+        super().__init__(message)
+        self.sqlstate = sqlstate
 
 
 class BrokerUnavailable(OutboxError):
@@ -71,12 +99,19 @@ class BrokerUnavailable(OutboxError):
     retriable = True
 
 
-class TopicMissing(OutboxError):
+class BrokerRefused(ConnectionRefused):
+    """Kafka refused this client for good (SASL authentication, TLS handshake or the wrong
+    protocol for the port, not authorized); daemons exit with code 2 at start-up."""
+
+    service = "Kafka"
+
+
+class TopicMissing(ConfigurationError):
     """A topic does not exist; the framework never relies on auto-creation."""
 
     def __init__(self, topic: str) -> None:
         super().__init__(
-            f"Kafka topic {topic!r} does not exist; create it (the framework never relies on "
-            "topic auto-creation)"
+            f"Kafka topic {topic!r} does not exist; create it with `outbox topics ensure` "
+            "(the framework never relies on topic auto-creation)"
         )
         self.topic = topic

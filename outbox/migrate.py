@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TextIO
 
@@ -10,8 +12,10 @@ from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
+from alembic.util import CommandError
 
 from outbox.db import sync_engine, translated_errors
+from outbox.errors import ConfigurationError
 from outbox.migrations.naming import version_table
 from outbox.settings import OutboxSettings
 
@@ -27,21 +31,32 @@ def alembic_config(settings: OutboxSettings | None = None, stdout: TextIO | None
     return config
 
 
+@contextlib.contextmanager
+def _revision_errors(revision: str) -> Iterator[None]:
+    """Alembic's own errors (an unknown revision, an impossible range) are the caller's
+    input, not a crash."""
+    try:
+        yield
+    except CommandError as exc:
+        raise ConfigurationError(f"migration to {revision!r}: {exc}") from exc
+
+
 def upgrade(settings: OutboxSettings, revision: str = "head") -> None:
     """Create or update the framework's tables (idempotent)."""
-    with translated_errors():
+    with translated_errors(), _revision_errors(revision):
         command.upgrade(alembic_config(settings), revision)
 
 
 def downgrade(settings: OutboxSettings, revision: str) -> None:
-    with translated_errors():
+    with translated_errors(), _revision_errors(revision):
         command.downgrade(alembic_config(settings), revision)
 
 
 def sql(settings: OutboxSettings, revision: str = "head") -> str:
     """The DDL of the migrations up to ``revision``, for users who run their own."""
     out = io.StringIO()
-    command.upgrade(alembic_config(settings, stdout=out), revision, sql=True)
+    with _revision_errors(revision):
+        command.upgrade(alembic_config(settings, stdout=out), revision, sql=True)
     return out.getvalue()
 
 

@@ -15,7 +15,7 @@ from sqlalchemy import Connection
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 from sqlalchemy.orm import Session
 
-from outbox import envelope
+from outbox import envelope, tracing
 from outbox.db import translated_errors
 from outbox.envelope import Message, MessageFields, Row
 from outbox.errors import PayloadMismatch
@@ -45,6 +45,8 @@ class Outbox:
     # -- preparation and checks shared by both paths (no I/O) --------------------------
     def _prepare(self, messages: Iterable[Message]) -> list[Row]:
         s = self.settings
+        # The current trace context rides along as headers (a no-op unless tracing is on).
+        messages = tracing.with_trace_context(messages)
         return [
             envelope.prepare(
                 m, lanes=s.lanes, max_bytes=s.max_payload_bytes, default_source=s.default_source
@@ -58,13 +60,29 @@ class Outbox:
         return [r.event_id for r in rows if r.event_id not in done]
 
     @staticmethod
-    def _check_duplicates(rows: Sequence[Row], stored: Iterable[Any]) -> None:
+    def _differing(rows: Sequence[Row], stored: Iterable[Any]) -> list[Row]:
         # A duplicate event_id is a no-op only when it describes the same event; the same
-        # id inside one batch with two payloads is caught here too.
+        # id inside one batch with two payloads is caught here too. Equal fingerprints
+        # settle it; a differing one may still be the same JSON in another encoding.
         stored_by_id = {event_id: fingerprint for event_id, fingerprint in stored}
+        return [
+            row
+            for row in rows
+            if stored_by_id.get(row.event_id, row.fingerprint) != row.fingerprint
+        ]
+
+    @staticmethod
+    def _check_same(rows: Sequence[Row], stored: Iterable[Any]) -> None:
+        stored_by_id = {
+            r.event_id: envelope.StoredEvent(
+                r.topic, r.key, r.event_type, r.content_type, bytes(r.payload)
+            )
+            for r in stored
+        }
         for row in rows:
-            existing = stored_by_id.get(row.event_id)
-            if existing is not None and existing != row.fingerprint:
+            found = stored_by_id.get(row.event_id)
+            # A row gone since the first look (relayed and moved) can no longer be compared.
+            if found is None or not envelope.same_event(row, found):
                 raise PayloadMismatch(row.event_id)
 
     # -- sync ---------------------------------------------------------------------------
@@ -72,7 +90,9 @@ class Outbox:
         """Add all ``messages`` to the caller's transaction in one statement.
 
         Returns their event ids in order. Duplicates of events still in the outbox are
-        no-ops; a reused event_id with a different payload raises :class:`PayloadMismatch`.
+        no-ops (a JSON payload counts as the same when its RFC 8785 canonical form is, so
+        member order does not matter); a reused event_id with a different topic, key, type
+        or payload raises :class:`PayloadMismatch`.
         """
         rows = self._prepare(messages)
         if not rows:
@@ -82,7 +102,9 @@ class Outbox:
             missing = self._not_inserted(rows, result.scalars())
             if missing or len({r.event_id for r in rows}) != len(rows):
                 stored = session.execute(self._store.fingerprints([r.event_id for r in rows]))
-                self._check_duplicates(rows, stored)
+                if differing := self._differing(rows, stored):
+                    ids = [r.event_id for r in differing]
+                    self._check_same(differing, session.execute(self._store.stored_events(ids)))
         return [r.event_id for r in rows]
 
     def publish(self, session: SyncExecutor, **fields: Unpack[MessageFields]) -> uuid.UUID:
@@ -107,7 +129,10 @@ class Outbox:
             missing = self._not_inserted(rows, result.scalars())
             if missing or len({r.event_id for r in rows}) != len(rows):
                 stored = await session.execute(self._store.fingerprints([r.event_id for r in rows]))
-                self._check_duplicates(rows, stored)
+                if differing := self._differing(rows, stored):
+                    ids = [r.event_id for r in differing]
+                    found = await session.execute(self._store.stored_events(ids))
+                    self._check_same(differing, found)
         return [r.event_id for r in rows]
 
     async def publish_async(

@@ -9,9 +9,10 @@ environment. Nested sections use ``__`` in environment names, e.g.
 
 from __future__ import annotations
 
-from typing import Literal
+from pathlib import Path
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import ArgumentError
@@ -32,24 +33,6 @@ class RetrySettings(_Section):
     max_attempts: int = Field(5, ge=1, le=1000, description="Attempts before giving up.")
     max_total_delay_seconds: float | None = Field(
         None, gt=0, description="Give up once this much time has passed (unset: no limit)."
-    )
-    budget_ratio: float = Field(
-        0.1, ge=0, le=1, description="Retries the process may add per request (0.1 = 10%)."
-    )
-    budget_burst: float = Field(
-        10, ge=0, description="Retry tokens available at start and at most saved up."
-    )
-    budget_min_per_second: float = Field(
-        1.0, ge=0, description="Retry tokens refilled per second even without traffic."
-    )
-    breaker_failure_threshold: int = Field(
-        5, ge=1, description="Consecutive failures that open a dependency's circuit."
-    )
-    breaker_recovery_seconds: float = Field(
-        30.0, gt=0, description="How long an open circuit fails fast before a trial call."
-    )
-    breaker_half_open_max_calls: int = Field(
-        1, ge=1, description="Trial calls let through while the circuit is half-open."
     )
 
 
@@ -127,7 +110,10 @@ class ConsumerSettings(_Section):
         description="Create a missing dead-letter topic at start-up (else fail with TopicMissing).",
     )
     unknown_type_policy: Literal["skip", "dead_letter"] = Field(
-        "dead_letter", description="What to do with an event type no handler is registered for."
+        "skip",
+        description="What to do with an event type no handler is registered for: skip "
+        "(counted, logged at debug; a topic usually carries types other consumers handle) or "
+        "dead_letter.",
     )
     malformed_policy: Literal["skip", "dead_letter"] = Field(
         "dead_letter",
@@ -166,6 +152,26 @@ class ConsumerSettings(_Section):
     )
 
 
+class TopicSettings(_Section):
+    """Topic provisioning (``outbox topics ensure``)."""
+
+    names: str = Field(
+        "",
+        description="Comma-separated topics the relay publishes to, as NAME or "
+        "NAME:PARTITIONS, created by `outbox topics ensure` (with any --topic/--app given).",
+    )
+    partitions: int = Field(
+        6, ge=1, le=10_000, description="Partitions of a topic created without a count."
+    )
+    replication_factor: int = Field(
+        3,
+        ge=1,
+        le=32,
+        description="Replication factor of created topics, capped by the brokers in the "
+        "cluster (a one-broker cluster gets 1).",
+    )
+
+
 class IdempotencySettings(_Section):
     """Idempotent request handling (the Stripe pattern)."""
 
@@ -176,6 +182,99 @@ class IdempotencySettings(_Section):
     purge_batch_size: int = Field(
         1000, ge=1, le=100_000, description="Expired keys deleted per cleanup transaction."
     )
+
+
+SecurityProtocol = Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"]
+SaslMechanism = Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"]
+
+# Options the dedicated fields own: an extra option may not set them (secrets stay in
+# SecretStr fields, so they are masked wherever settings are shown).
+_OWNED_OPTIONS = ("bootstrap_servers", "security_protocol", "client_id")
+_OWNED_PREFIXES = ("sasl_", "ssl_")
+
+
+class KafkaSettings(_Section):
+    """How every Kafka client of the project connects (TLS, SASL, client id).
+
+    The broker list stays ``OUTBOX_KAFKA_BOOTSTRAP_SERVERS``. OAUTHBEARER is not offered:
+    aiokafka needs a token provider object for it, which an environment variable cannot be.
+    """
+
+    security_protocol: SecurityProtocol = Field(
+        "PLAINTEXT",
+        description="PLAINTEXT, SSL, SASL_PLAINTEXT or SASL_SSL (managed clusters: SASL_SSL).",
+    )
+    sasl_mechanism: SaslMechanism = Field(
+        "SCRAM-SHA-512", description="PLAIN, SCRAM-SHA-256 or SCRAM-SHA-512 (SASL_* only)."
+    )
+    sasl_username: str | None = Field(None, description="SASL user (API key on Confluent Cloud).")
+    sasl_password: SecretStr | None = Field(
+        None, description="SASL password (API secret); never shown or logged."
+    )
+    ssl_ca_file: Path | None = Field(
+        None,
+        description="PEM file of the CA(s) that signed the brokers' certificates "
+        "(unset: the system's trust store).",
+    )
+    ssl_cert_file: Path | None = Field(
+        None, description="PEM client certificate, for brokers that require mutual TLS."
+    )
+    ssl_key_file: Path | None = Field(None, description="PEM private key of ssl_cert_file.")
+    ssl_key_password: SecretStr | None = Field(
+        None, description="Password of an encrypted ssl_key_file; never shown or logged."
+    )
+    ssl_check_hostname: bool = Field(
+        True, description="Check that a broker's certificate names the host connected to."
+    )
+    client_id: str | None = Field(
+        None, description="Kafka client id of every client (quotas, ACL audit); unset: per role."
+    )
+    options: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Further aiokafka client options as JSON, e.g. "
+        '`{"metadata_max_age_ms": 60000}`; each client takes those it knows.',
+    )
+
+    @field_validator("ssl_ca_file", "ssl_cert_file", "ssl_key_file")
+    @classmethod
+    def _readable(cls, value: Path | None) -> Path | None:
+        if value is not None and not value.is_file():
+            raise ValueError("file not found")  # the path itself may be revealing; not echoed
+        return value
+
+    @field_validator("options")
+    @classmethod
+    def _not_owned(cls, value: dict[str, Any]) -> dict[str, Any]:
+        owned = sorted(k for k in value if k in _OWNED_OPTIONS or k.startswith(_OWNED_PREFIXES))
+        if owned:
+            raise ValueError(f"{', '.join(owned)} must be set by its own setting")
+        return value
+
+    @model_validator(mode="after")
+    def _consistent(self) -> KafkaSettings:
+        if self.security_protocol.startswith("SASL_") and (
+            not self.sasl_username or self.sasl_password is None
+        ):
+            raise ValueError(
+                f"security_protocol {self.security_protocol} needs sasl_username and "
+                "sasl_password (OUTBOX_KAFKA__SASL_USERNAME, OUTBOX_KAFKA__SASL_PASSWORD)"
+            )
+        if (self.ssl_cert_file is None) != (self.ssl_key_file is None):
+            raise ValueError("ssl_cert_file and ssl_key_file go together")
+        return self
+
+    def __hash__(self) -> int:
+        # Settings are hashable (frozen); the free-form options are a dict, so hash the
+        # JSON form (secrets show masked there, which only makes hashes collide more).
+        return hash(self.model_dump_json())
+
+    @property
+    def uses_tls(self) -> bool:
+        return self.security_protocol in ("SSL", "SASL_SSL")
+
+    @property
+    def uses_sasl(self) -> bool:
+        return self.security_protocol.startswith("SASL_")
 
 
 class OutboxSettings(BaseSettings):
@@ -195,6 +294,7 @@ class OutboxSettings(BaseSettings):
     kafka_bootstrap_servers: str = Field(
         "127.0.0.1:39092", description="Comma-separated host:port list of Kafka brokers."
     )
+    kafka: KafkaSettings = KafkaSettings()
     db_schema: str = Field("public", description="PostgreSQL schema holding the tables.")
     table_prefix: str = Field("outbox_", description="Prefix of every table name.")
     lanes: int = Field(
@@ -212,6 +312,7 @@ class OutboxSettings(BaseSettings):
     retry: RetrySettings = RetrySettings()
     relay: RelaySettings = RelaySettings()
     consumer: ConsumerSettings = ConsumerSettings()
+    topics: TopicSettings = TopicSettings()
     idempotency: IdempotencySettings = IdempotencySettings()
 
     @field_validator("database_url")
@@ -245,8 +346,12 @@ class OutboxSettings(BaseSettings):
 
     @property
     def safe_database_url(self) -> str:
-        """The DSN with its password masked, for logs and error messages."""
-        return self.sqlalchemy_url.render_as_string(hide_password=True)
+        """The DSN with its passwords masked (the user's, and a TLS key's ``sslpassword``),
+        for logs and error messages."""
+        url = self.sqlalchemy_url
+        if "sslpassword" in url.query:
+            url = url.update_query_dict({"sslpassword": "***"})
+        return url.render_as_string(hide_password=True)
 
     @property
     def libpq_dsn(self) -> str:

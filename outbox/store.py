@@ -122,6 +122,16 @@ class ProducerStore:
             .returning(events.c.event_id)
         )
 
+    def unpublished(self, topic: str | None) -> Select[tuple[Any, ...]]:
+        """Events not published yet, in publish order (what ``outbox.testing`` reads)."""
+        e = self.tables.events
+        stmt = select(
+            e.c.event_id, e.c.topic, e.c.key, e.c.event_type, e.c.source, e.c.payload, e.c.headers
+        ).where(e.c.published_at.is_(None))
+        if topic is not None:
+            stmt = stmt.where(e.c.topic == topic)
+        return stmt.order_by(e.c.id)
+
     def insert(self, rows: Sequence[Row]) -> tuple[Insert, dict[str, Any]]:
         """The statement and parameters that insert ``rows`` (one statement for any number)."""
         if len(rows) == 1:
@@ -136,3 +146,11 @@ class ProducerStore:
         return select(events.c.event_id, events.c.fingerprint).where(
             events.c.event_id.in_(event_ids)
         )
+
+    def stored_events(self, event_ids: Sequence[uuid.UUID]) -> Select[Any]:
+        """What identifies stored events (see :class:`~outbox.envelope.StoredEvent`), for
+        the ids whose fingerprint differed from the one being published."""
+        e = self.tables.events
+        return select(
+            e.c.event_id, e.c.topic, e.c.key, e.c.event_type, e.c.content_type, e.c.payload
+        ).where(e.c.event_id.in_(event_ids))

@@ -24,6 +24,7 @@ from sqlalchemy import (
     Identity,
     Index,
     Integer,
+    Interval,
     LargeBinary,
     MetaData,
     SmallInteger,
@@ -68,7 +69,9 @@ class Tables:
     inbox: Table  # inbox: (consumer, event_id) processed, dead-lettered or skipped
     inbox_attempts: Table  # inbox: durable attempt marker per (consumer, partition)
     dead_letters: Table  # inbox: dead-lettered records, kept for inspection and replay
+    inbox_sequences: Table  # inbox: highest applied sequence per (consumer, key)
     idempotency: Table  # core: idempotent request records (the Stripe pattern)
+    effects: Table  # effects: the side-effect ledger, one row per intended external effect
 
     @property
     def schema(self) -> str | None:
@@ -226,6 +229,20 @@ def _dead_letters(md: MetaData, prefix: str) -> Table:
     )
 
 
+def _inbox_sequences(md: MetaData, prefix: str) -> Table:
+    # The stale-event guard: the highest ``ce_sequence`` a consumer applied for a key,
+    # advanced in the handler's transaction. One small row per key and consumer; kept for
+    # as long as an older event of the key could still arrive (a late replay), so forever.
+    return Table(
+        f"{prefix}inbox_sequences",
+        md,
+        Column("consumer", Text, primary_key=True),
+        Column("key", LargeBinary, primary_key=True),
+        Column("sequence", BigInteger, nullable=False),
+        Column("updated_at", DateTime(timezone=True), nullable=False, server_default=NOW),
+    )
+
+
 # ---------------------------------------------------------- idempotency section
 
 
@@ -257,6 +274,48 @@ def _idempotency(md: MetaData, prefix: str) -> Table:
     )
 
 
+# -------------------------------------------------------------- effects section
+
+EFFECT_STATES = ("pending", "done", "failed", "unknown")
+
+
+def _effects(md: MetaData, prefix: str) -> Table:
+    name = f"{prefix}effects"
+    states = ", ".join(f"'{s}'" for s in EFFECT_STATES)
+    return Table(
+        name,
+        md,
+        # Derived from the intent (run/step/tool + arguments, or event_id + step), never
+        # generated per attempt: every retry at every layer must land on this row.
+        Column("key", Text, primary_key=True),
+        # SHA-256 (hex) of the canonical arguments: same key + other arguments is a conflict.
+        Column("payload_hash", Text, nullable=False),
+        Column("state", Text, nullable=False),  # pending | done | failed | unknown
+        Column("dependency", Text, nullable=False),
+        Column("result", JSONB, nullable=True),  # done: the call's (JSON) result
+        Column("error", JSONB, nullable=True),  # failed: {"type", "message", "status"}
+        Column("attempts", Integer, nullable=False, server_default=text("0")),
+        Column("last_error", Text, nullable=True),  # the latest failed attempt, for operators
+        # How long a finished record is kept (and honoured) after it finished.
+        Column("dedupe_window", Interval, nullable=False),
+        Column("created_at", DateTime(timezone=True), nullable=False, server_default=NOW),
+        Column("updated_at", DateTime(timezone=True), nullable=False, server_default=NOW),
+        Column("completed_at", DateTime(timezone=True), nullable=True),
+        # completed_at + dedupe_window for done/failed; NULL (never expires) otherwise.
+        Column("expires_at", DateTime(timezone=True), nullable=True),
+        # pending: the claimer's lease; past it (and with no live owner) the next caller
+        # reconciles. The token tells the owner it still owns the claim.
+        Column("lease_until", DateTime(timezone=True), nullable=True),
+        Column("lock_token", UUID(as_uuid=True), nullable=True),
+        CheckConstraint(f"state IN ({states})", name="state"),
+        CheckConstraint("char_length(key) BETWEEN 1 AND 255", name="key_length"),
+        Index(
+            f"{name}_expires_at_idx", "expires_at", postgresql_where=text("expires_at IS NOT NULL")
+        ),
+        Index(f"{name}_state_idx", "state", "updated_at"),
+    )
+
+
 @cache
 def _build(schema: str, prefix: str) -> Tables:
     md = MetaData(schema=schema, naming_convention=NAMING_CONVENTION)
@@ -268,7 +327,9 @@ def _build(schema: str, prefix: str) -> Tables:
         inbox=_inbox(md, prefix),
         inbox_attempts=_inbox_attempts(md, prefix),
         dead_letters=_dead_letters(md, prefix),
+        inbox_sequences=_inbox_sequences(md, prefix),
         idempotency=_idempotency(md, prefix),
+        effects=_effects(md, prefix),
     )
 
 

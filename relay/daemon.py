@@ -12,20 +12,28 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import signal
 from wsgiref.simple_server import WSGIServer
 
-from outbox.retry import RetryPolicy
+import psycopg
+
+from outbox.daemon import serve_http, stop_on_signals
+from outbox.db import unavailable
+from outbox.errors import BrokerRefused, TopicMissing
+from outbox.ops.topics import relay_topics
+from outbox.resilience.retry import RetryPolicy
 from outbox.settings import OutboxSettings
 from relay.kafka_state import KafkaState
 from relay.lanes import LaneManager
 from relay.maintenance import run_maintenance
-from relay.metrics import RelayMetrics, serve
+from relay.metrics import RelayMetrics
 from relay.pipeline import Pipeline
 from relay.publisher import Publisher
 from relay.store import RelayStore
+from relay.waiting import sleep_unless
 
 log = logging.getLogger("relay")
+_PREFLIGHT_SECONDS = 10
+STATUS_EVERY_SECONDS = 10.0
 
 
 class Relay:
@@ -33,7 +41,7 @@ class Relay:
 
     def __init__(self, settings: OutboxSettings, *, metrics_port: int | None = None) -> None:
         self.settings = settings
-        self.metrics = RelayMetrics()
+        self.metrics = RelayMetrics(lanes=settings.lanes)
         self._metrics_port = metrics_port
         self._store = RelayStore(settings)
         self.lanes = LaneManager(settings, self._store, self.metrics)
@@ -51,22 +59,57 @@ class Relay:
         """Lock connection up and every task alive (what ``/healthz`` reports)."""
         return self.lanes.connected and bool(self._tasks) and not any(t.done() for t in self._tasks)
 
+    async def _report(self, stopping: asyncio.Event) -> None:
+        """A status line every ``STATUS_EVERY_SECONDS`` while running, like the consumer's:
+        an operator tailing the log sees the relay work without a metrics scraper."""
+        while not stopping.is_set():
+            await sleep_unless(stopping, STATUS_EVERY_SECONDS)
+            if not stopping.is_set():
+                log.info(
+                    "relay status", extra={"relay_id": self.lanes.relay_id, **self.metrics.status()}
+                )
+
     async def serve(self) -> None:
         """:meth:`run` with SIGTERM and SIGINT mapped to :meth:`stop`."""
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self.stop)
-        try:
+        with stop_on_signals(self.stop):
             await self.run()
-        finally:
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                loop.remove_signal_handler(sig)
+
+    async def preflight(self) -> None:
+        """Fail fast, before taking lanes, on what no retry can fix: the database or Kafka
+        refusing this configuration (credentials, unknown database, TLS) and the topics of
+        ``topics.names`` missing. Transient trouble (a database still starting, Kafka down)
+        is left to the loops, which retry with backoff."""
+        s = self.settings
+        try:
+            conn = await psycopg.AsyncConnection.connect(
+                s.libpq_dsn, connect_timeout=_PREFLIGHT_SECONDS, application_name="outbox-relay"
+            )
+        except psycopg.Error as exc:
+            error = unavailable(exc)
+            if not error.retriable:
+                raise error from None
+        else:
+            await conn.close()
+        try:
+            await asyncio.wait_for(self._publisher.ensure_started(), _PREFLIGHT_SECONDS)
+        except BrokerRefused:
+            raise
+        except Exception as exc:  # retried by the pipelines, logged once there
+            log.debug("Kafka not ready at start", extra={"error": repr(exc)})
+            return
+        wanted = [spec.name for spec in relay_topics(s)]
+        missing = [t for t in wanted if not await self._publisher.has_topic(t)]
+        if missing:
+            raise TopicMissing(", ".join(missing))
 
     async def run(self) -> None:
+        await self.preflight()
         stopping = self._stopping = asyncio.Event()
         server: WSGIServer | None = None
         if self._metrics_port is not None:
-            server = serve(self.metrics, self._metrics_port, self.healthy)
+            server = serve_http(
+                self.metrics.registry, self._metrics_port, self.healthy, name="relay-http"
+            )
         s = self.settings
         log.info(
             "relay starting",
@@ -91,6 +134,7 @@ class Relay:
             self._tasks.append(
                 asyncio.create_task(run_maintenance(s, stopping), name="maintenance")
             )
+        self._tasks.append(asyncio.create_task(self._report(stopping), name="status"))
         stop_wait = asyncio.create_task(stopping.wait())
         failure: BaseException | None = None
         try:

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 import psycopg
 
-from outbox.errors import DatabaseUnavailable, SchemaMissing
+from outbox.db import unavailable
+from outbox.errors import SchemaMissing
 from outbox.settings import OutboxSettings
 from relay.store import RelayStore
 
@@ -36,7 +37,7 @@ def _connection(settings: OutboxSettings) -> Iterator[psycopg.Connection[tuple[o
     try:
         conn = psycopg.connect(settings.libpq_dsn, application_name="outbox-failed")
     except psycopg.Error as exc:
-        raise DatabaseUnavailable(f"database unavailable: {type(exc).__name__}") from None
+        raise unavailable(exc) from None
     try:
         with conn, conn.transaction():
             yield conn

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import logging
 
-from outbox.retry import RetryPolicy
+from outbox.outages import Dependency
+from outbox.resilience.retry import RetryPolicy
 from relay.metrics import RelayMetrics
 
 log = logging.getLogger("relay.kafka")
@@ -17,26 +18,33 @@ class KafkaState:
     def __init__(self, retry: RetryPolicy, metrics: RelayMetrics) -> None:
         self._retry = retry
         self._metrics = metrics
-        self.up = True
-        self.failures = 0
+        self._state = Dependency(
+            "Kafka",
+            log,
+            down_message="Kafka unavailable; holding rows in the outbox and backing off",
+            up_message="Kafka reachable again; resuming",
+            on_change=lambda up: metrics.kafka_up.set(1 if up else 0),
+        )
         metrics.kafka_up.set(1)
 
+    @property
+    def up(self) -> bool:
+        return self._state.up
+
+    @property
+    def failures(self) -> int:
+        return self._state.failures
+
+    @property
+    def tries(self) -> int:
+        """Failed tries since start (for the status line)."""
+        return self._state.tries
+
     def failed(self, exc: BaseException) -> None:
-        if self.up:
-            log.warning(
-                "Kafka unavailable; holding rows in the outbox and backing off",
-                extra={"error": str(exc)},
-            )
-            self.up = False
-            self._metrics.kafka_up.set(0)
-        self.failures += 1
+        self._state.failed(exc)
 
     def ok(self) -> None:
-        if not self.up:
-            log.info("Kafka reachable again; resuming", extra={"failed_tries": self.failures})
-            self.up = True
-            self._metrics.kafka_up.set(1)
-        self.failures = 0
+        self._state.ok()
 
     def backoff(self) -> float:
         """Full-jitter delay before the next try (0 while Kafka is up)."""

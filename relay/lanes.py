@@ -31,8 +31,10 @@ from dataclasses import dataclass
 
 import psycopg
 
+from outbox.db import unavailable
 from outbox.errors import DatabaseUnavailable, SchemaMissing
-from outbox.retry import RetryPolicy
+from outbox.outages import Dependency
+from outbox.resilience.retry import RetryPolicy
 from outbox.settings import OutboxSettings
 from relay.metrics import RelayMetrics
 from relay.store import RelayStore
@@ -72,8 +74,16 @@ def rebalance(
 
 
 class LaneManager:
-    def __init__(self, settings: OutboxSettings, store: RelayStore, metrics: RelayMetrics) -> None:
+    def __init__(
+        self,
+        settings: OutboxSettings,
+        store: RelayStore,
+        metrics: RelayMetrics,
+        database: Dependency | None = None,
+    ) -> None:
         self._settings = settings
+        # Shared with the pipelines: one log line per database outage, not one per task.
+        self.database = database or Dependency("database", log)
         self._store = store
         self._metrics = metrics
         self.relay_id = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
@@ -110,8 +120,8 @@ class LaneManager:
                 self._settings.libpq_dsn, autocommit=True, application_name="outbox-relay-lanes"
             )
         except psycopg.Error as exc:
-            # The message may name host and user; the class is enough and leaks nothing.
-            raise DatabaseUnavailable(f"database unavailable: {type(exc).__name__}") from None
+            # The cause (SQLSTATE, libpq's reason), never the DSN.
+            raise unavailable(exc) from None
         await conn.execute(self._store.join)
         return conn
 
@@ -131,9 +141,8 @@ class LaneManager:
             try:
                 if self._conn is None:
                     self._conn = await self._connect()
-                    if failures:
-                        log.info("lane connection restored", extra={"relay_id": self.relay_id})
                 await self._tick()
+                self.database.ok()
                 if loop.time() >= stats_due:
                     await self._stats()
                     stats_due = loop.time() + self._settings.relay.stats_interval_seconds
@@ -142,11 +151,10 @@ class LaneManager:
             except psycopg.errors.UndefinedTable as exc:
                 raise SchemaMissing(f"relay table missing ({exc.diag.message_primary})") from None
             except (psycopg.OperationalError, psycopg.InterfaceError, DatabaseUnavailable) as exc:
-                if failures == 0:
-                    log.warning(
-                        "lane connection lost; lanes released until it is back",
-                        extra={"error": type(exc).__name__, "relay_id": self.relay_id},
-                    )
+                # Lanes are released until the connection is back (their locks died with it).
+                self.database.failed(
+                    exc if isinstance(exc, DatabaseUnavailable) else unavailable(exc)
+                )
                 self._metrics.errors.labels(type(exc).__name__).inc()
                 await self._drop()
                 delay = self._retry.backoff(failures)

@@ -12,9 +12,9 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from outbox.cleanup import run_cleanup
 from outbox.db import async_engine
 from outbox.errors import OutboxError
+from outbox.ops.cleanup import run_cleanup
 from outbox.settings import OutboxSettings
 from relay.waiting import sleep_unless
 

@@ -1,21 +1,21 @@
-"""Prometheus metrics of one relay, and the HTTP endpoint serving them plus ``/healthz``.
+"""Prometheus metrics of one relay (served by :func:`outbox.daemon.serve_http`).
 
 Each relay has its own ``CollectorRegistry`` so that several relays in one process (tests,
-benchmarks) never collide on metric names.
+benchmarks) never collide on metric names. Every series exists from the start (counters at
+0, the errors counter for each class the relay counts), so dashboards and ``increase()``
+never see "no data" before the first event.
 """
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable, Iterable
-from typing import Any
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
+# The classes a relay counts in outbox_relay_errors_total (lane connection failures).
+ERROR_CLASSES = ("OperationalError", "InterfaceError", "DatabaseUnavailable")
 
 
 class RelayMetrics:
-    def __init__(self) -> None:
+    def __init__(self, lanes: int = 0) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.published = Counter(
@@ -36,10 +36,18 @@ class RelayMetrics:
             buckets=(0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
         )
         self.errors = Counter("outbox_relay_errors", "Errors by class.", ["error"], registry=r)
+        for name in ERROR_CLASSES:
+            self.errors.labels(name)
         self.failed = Counter(
             "outbox_relay_moved_to_failed", "Rows moved to the failed table.", registry=r
         )
         self.owned_lanes = Gauge("outbox_relay_owned_lanes", "Lanes this relay owns.", registry=r)
+        self.lanes = Gauge(
+            "outbox_relay_lanes",
+            "Ordering lanes of the deployment (OUTBOX_LANES): all of them need an owner.",
+            registry=r,
+        )
+        self.lanes.set(lanes)
         self.pending = Gauge(
             "outbox_relay_pending_events", "Rows waiting in the outbox (all lanes).", registry=r
         )
@@ -50,26 +58,18 @@ class RelayMetrics:
         )
         self.kafka_up = Gauge("outbox_relay_kafka_up", "1 when Kafka acknowledges.", registry=r)
 
+    def status(self) -> dict[str, float]:
+        """The figures of the relay's periodic status line, read back from the metrics."""
+        r = self.registry
 
-class _QuietHandler(WSGIRequestHandler):
-    def log_message(self, format: str, *args: Any) -> None:
-        """Scrapes every few seconds are not worth a log line."""
+        def value(name: str) -> float:
+            return r.get_sample_value(name) or 0.0
 
-
-def serve(
-    metrics: RelayMetrics, port: int, healthy: Callable[[], bool], host: str = "0.0.0.0"
-) -> WSGIServer:
-    """Serve ``/metrics`` and ``/healthz`` (200 when healthy, else 503) on a daemon thread."""
-    prometheus = make_wsgi_app(metrics.registry)
-
-    def app(environ: dict[str, Any], start: Callable[..., Any]) -> Iterable[bytes]:
-        if environ.get("PATH_INFO") == "/healthz":
-            ok = healthy()
-            start("200 OK" if ok else "503 Service Unavailable", [("Content-Type", "text/plain")])
-            return [b"ok\n" if ok else b"unhealthy\n"]
-        result: Iterable[bytes] = prometheus(environ, start)
-        return result
-
-    server = make_server(host, port, app, handler_class=_QuietHandler)
-    threading.Thread(target=server.serve_forever, name="relay-metrics", daemon=True).start()
-    return server
+        return {
+            "published": value("outbox_relay_published_total"),
+            "moved_to_failed": value("outbox_relay_moved_to_failed_total"),
+            "pending": value("outbox_relay_pending_events"),
+            "oldest_age_seconds": round(value("outbox_relay_oldest_pending_age_seconds"), 3),
+            "owned_lanes": value("outbox_relay_owned_lanes"),
+            "kafka_up": value("outbox_relay_kafka_up"),
+        }

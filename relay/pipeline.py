@@ -29,9 +29,11 @@ from typing import Any
 
 import psycopg
 
-from outbox.errors import DatabaseUnavailable, SchemaMissing, TopicMissing
-from outbox.retry import RetryPolicy
+from outbox.db import unavailable
+from outbox.errors import ConfigurationError, DatabaseUnavailable, SchemaMissing, TopicMissing
+from outbox.resilience.retry import RetryPolicy
 from outbox.settings import OutboxSettings
+from relay import tracing
 from relay.errors import ProducerBroken, RecordRejected
 from relay.kafka_state import KafkaState
 from relay.lanes import LaneManager
@@ -51,6 +53,8 @@ from relay.waiting import sleep_unless
 log = logging.getLogger("relay.pipeline")
 
 _by_id = itemgetter(ID)
+# How long the rows of a topic Kafka does not have wait before the topic is asked for again.
+MISSING_TOPIC_RECHECK_SECONDS = 5.0
 # Poll at the shortest interval for this long after the last rows were claimed.
 _STAY_HOT_SECONDS = 1.0
 
@@ -66,6 +70,7 @@ class Pipeline:
         kafka: KafkaState,
         metrics: RelayMetrics,
     ) -> None:
+        self._database = lanes.database
         self._index = index
         self._settings = settings
         self._store = store
@@ -108,13 +113,10 @@ class Pipeline:
                 try:
                     if self._conn is None:
                         self._conn = await self._connect()
-                        if db_failures:
-                            log.info(
-                                "database connection restored", extra={"pipeline": self._index}
-                            )
                     started = loop.time()
                     claimed = await self._batch(lanes)
                     db_failures = 0
+                    self._database.ok()
                 except (
                     psycopg.OperationalError,
                     psycopg.InterfaceError,
@@ -122,11 +124,9 @@ class Pipeline:
                 ) as exc:
                     # Whatever the batch held was rolled back by PostgreSQL; rows are pending
                     # again and are re-sent (at-least-once), so nothing is lost.
-                    if db_failures == 0:
-                        log.warning(
-                            "database connection lost; reconnecting",
-                            extra={"pipeline": self._index, "error": type(exc).__name__},
-                        )
+                    self._database.failed(
+                        exc if isinstance(exc, DatabaseUnavailable) else unavailable(exc)
+                    )
                     self._metrics.errors.labels(type(exc).__name__).inc()
                     await self._close()
                     await sleep_unless(stopping, self._db_retry.backoff(db_failures))
@@ -165,7 +165,7 @@ class Pipeline:
                 options=CLAIM_CONNECTION_OPTIONS,
             )
         except psycopg.Error as exc:
-            raise DatabaseUnavailable(f"database unavailable: {type(exc).__name__}") from None
+            raise unavailable(exc) from None
 
     async def _close(self) -> None:
         conn, self._conn = self._conn, None
@@ -178,6 +178,8 @@ class Pipeline:
         batches that timed out are acknowledged — they are the probe for recovery."""
         try:
             await self._publisher.ensure_started()
+        except ConfigurationError:
+            raise  # refused for its settings (credentials, TLS, permissions): stop, exit 2
         except Exception as exc:
             self._kafka.failed(exc)
             self._metrics.errors.labels(type(exc).__name__).inc()
@@ -222,7 +224,11 @@ class Pipeline:
                     # Claimed per lane in id order already; one sort makes it explicit and
                     # costs far less than a round trip.
                     rows.sort(key=_by_id)
-                    outcome = await self._publisher.publish(rows)
+                    span = tracing.start_send(rows)
+                    try:
+                        outcome = await self._publisher.publish(rows)
+                    finally:
+                        tracing.end_send(span, outcome)
                     if len(outcome.acked) < len(rows):
                         await self._settle(conn, rows, outcome)
                 await conn.execute(b"COMMIT")
@@ -251,21 +257,22 @@ class Pipeline:
         outcome: Outcome,
     ) -> None:
         """Put back what Kafka did not acknowledge; runs inside the claiming transaction."""
-        rejected = {
-            i: exc
-            for i, exc in outcome.failed.items()
-            if isinstance(exc, RecordRejected | TopicMissing)
-        }
-        if not outcome.acked and not rejected:
+        rejected = {i for i, exc in outcome.failed.items() if isinstance(exc, RecordRejected)}
+        missing = {i for i, exc in outcome.failed.items() if isinstance(exc, TopicMissing)}
+        if not outcome.acked and not rejected and not missing:
             raise psycopg.Rollback()  # nothing to keep: cheapest is to undo the claim
         back: list[tuple[ClaimedRow, int, str, float]] = []
         dead: list[tuple[ClaimedRow, int, str]] = []
         for i, exc in outcome.failed.items():
             row = rows[i]
-            if i in rejected:
+            if i in missing:
+                # A missing topic is a deployment state, not the row's fault: no attempt is
+                # counted (nothing moves to failed); the row waits and the topic is asked
+                # for again (the publisher logs once per topic).
+                self._publisher.forget_topic(row[TOPIC])
+                back.append((row, row[ATTEMPTS], str(exc), MISSING_TOPIC_RECHECK_SECONDS))
+            elif i in rejected:
                 attempts = row[ATTEMPTS] + 1
-                if isinstance(exc, TopicMissing):
-                    self._publisher.forget_topic(row[TOPIC])
                 if attempts >= self._row_retry.max_attempts:
                     dead.append((row, attempts, str(exc)))
                 else:

@@ -32,7 +32,8 @@ from aiokafka import AIOKafkaProducer
 from aiokafka import errors as kerr
 from aiokafka.partitioner import murmur2
 
-from outbox.errors import BrokerUnavailable, TopicMissing
+from outbox.daemon import kafka_producer, kafka_refusal, start_kafka
+from outbox.errors import BrokerUnavailable, ConfigurationError, TopicMissing
 from outbox.settings import OutboxSettings
 from relay.errors import ProducerBroken, RecordRejected, RecordTooLarge
 from relay.store import (
@@ -75,8 +76,13 @@ _KEY_CACHE_LIMIT = 100_000
 
 def classify(exc: BaseException) -> Exception:
     """Map an aiokafka failure to the framework's tree: row-level rejection or transient."""
-    if isinstance(exc, RecordRejected | TopicMissing | ProducerBroken | BrokerUnavailable):
+    if isinstance(
+        exc, RecordRejected | TopicMissing | ProducerBroken | BrokerUnavailable | ConfigurationError
+    ):
         return exc
+    refused = kafka_refusal(exc)
+    if refused is not None:
+        return refused
     name = type(exc).__name__
     if isinstance(exc, _REJECTIONS):
         return RecordRejected(f"Kafka rejected the record: {name}")
@@ -90,7 +96,8 @@ class Outcome:
     """What happened to each row of one publish call (indexes into the rows given)."""
 
     acked: list[int] = field(default_factory=list)
-    # index -> error; RecordRejected/TopicMissing count an attempt, anything else does not.
+    # index -> error; RecordRejected counts an attempt, TopicMissing delays the row without
+    # one, anything else (broker down) neither.
     failed: dict[int, Exception] = field(default_factory=dict)
 
     @property
@@ -115,6 +122,7 @@ class Publisher:
         # the probe for "is Kafka back?" (see wait_drained).
         self._outstanding: set[asyncio.Future[Any]] = set()
         self._lock = asyncio.Lock()
+        self._missing: set[str] = set()  # topics known to be missing (logged once each)
         # Bumped on every (re)start, so that two pipelines seeing the same broken producer
         # reset it once, not twice.
         self.generation = 0
@@ -123,8 +131,8 @@ class Publisher:
     async def start(self) -> None:
         """Create and connect the producer; raises BrokerUnavailable when Kafka is down."""
         r = self._settings.relay
-        producer = AIOKafkaProducer(
-            bootstrap_servers=self._settings.kafka_bootstrap_servers,
+        producer = kafka_producer(
+            self._settings,
             client_id="outbox-relay",
             acks="all",
             enable_idempotence=True,
@@ -137,7 +145,7 @@ class Publisher:
             retry_backoff_ms=200,
         )
         try:
-            await producer.start()
+            await start_kafka(producer, self._settings)
         except Exception as exc:
             await self._close(producer)
             raise classify(exc) from exc
@@ -206,10 +214,30 @@ class Publisher:
                 raise RecordRejected(f"not authorized to write to Kafka topic {topic!r}")
             known = client.cluster.partitions_for_topic(topic)
             if known is None:
+                if topic not in self._missing:
+                    self._missing.add(topic)
+                    log.warning(
+                        "Kafka topic missing; its rows wait in the outbox (no attempts counted) "
+                        "until it exists: outbox topics ensure --topic %s",
+                        topic,
+                        extra={"topic": topic},
+                    )
                 raise TopicMissing(topic)
+        if topic in self._missing:
+            self._missing.discard(topic)
+            log.info("Kafka topic exists now; publishing its rows", extra={"topic": topic})
         parts = sorted(known)
         self._partitions[topic] = parts
         return parts
+
+    async def has_topic(self, topic: str) -> bool:
+        """Whether Kafka knows ``topic`` (asks the broker; the producer must be started)."""
+        assert self._producer is not None
+        try:
+            await self._partitions_for(self._producer, topic)
+        except TopicMissing:
+            return False
+        return True
 
     def _partition(self, topic: str, parts: list[int], key: bytes) -> int:
         cache = self._key_partition.setdefault(topic, {})

@@ -18,7 +18,7 @@ from outbox.db import async_engine as make_async_engine
 from outbox.db import sync_engine
 from outbox.settings import OutboxSettings
 from tests.support import kafka as kafka_support
-from tests.support.services import Endpoints, ServiceUnavailable, endpoints
+from tests.support.services import Endpoints, Secured, ServiceUnavailable, endpoints
 
 
 @pytest.fixture(scope="session")
@@ -28,6 +28,15 @@ def services() -> Iterator[Endpoints]:
             yield found
     except ServiceUnavailable as exc:
         pytest.fail(f"test services unavailable: {exc}", pytrace=False)
+
+
+@pytest.fixture(scope="session")
+def secured(services: Endpoints) -> Secured:
+    """Kafka SASL_SSL, PostgreSQL TLS and the test CA of scripts/services (never skipped)."""
+    try:
+        return services.require_secured()
+    except ServiceUnavailable as exc:
+        pytest.fail(f"secured test services unavailable: {exc}", pytrace=False)
 
 
 def _admin_dsn(url: str, dbname: str) -> str:

@@ -35,8 +35,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from outbox import Outbox, OutboxSettings, idempotency_key, uuid7
-from outbox.asgi import IdempotencyMiddleware, idempotency_session
 from outbox.db import async_engine
+from outbox.idempotency.asgi import IdempotencyMiddleware, idempotency_session
 
 TOPIC = "payments.refunds"
 

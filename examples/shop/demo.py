@@ -21,11 +21,9 @@ import sys
 import time
 import uuid
 from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager, suppress
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
-from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-from aiokafka.errors import TopicAlreadyExistsError
 from rich.console import Console
 from rich.live import Live
 from rich.table import Table
@@ -37,22 +35,12 @@ from examples.shop.consumer import shipping_log
 from examples.shop.events import TOPIC
 from examples.shop.service import OrderService
 from examples.shop.service import metadata as service_metadata
-from outbox import Outbox, OutboxSettings, load_settings, migrate
+from outbox import Outbox, load_settings, migrate
 from outbox.db import sync_engine
+from outbox.ops.topics import consumer_topics, ensure
 
 ROOT = Path(__file__).resolve().parents[2]
 console = Console()
-
-
-async def ensure_topics(settings: OutboxSettings, partitions: int) -> None:
-    admin = AIOKafkaAdminClient(bootstrap_servers=settings.kafka_bootstrap_servers)
-    await admin.start()
-    try:
-        for name in (TOPIC, f"{TOPIC}{settings.consumer.dlq_suffix}"):
-            with suppress(TopicAlreadyExistsError):
-                await admin.create_topics([NewTopic(name, partitions, 1)])
-    finally:
-        await admin.close()
 
 
 @contextmanager
@@ -159,7 +147,10 @@ def main() -> int:
     engine = sync_engine(settings, pool_size=4)
     service_metadata.create_all(engine)
     consumer_metadata.create_all(engine)
-    asyncio.run(ensure_topics(settings, partitions=6))
+    # What `outbox topics ensure --topic shop.orders:6 --app examples.shop.consumer:app` does.
+    specs = consumer_topics(settings, [TOPIC], {TOPIC: 6})
+    for result in asyncio.run(ensure(settings, specs)):
+        console.print(f"topic {result.topic}: {result.status} ({result.partitions} partitions)")
     # Earlier runs' effects (and their late events) stay around; this run counts only the
     # orders it created, recognised by a per-run prefix of their ids.
     run_prefix = f"ord-{uuid.uuid4().hex[:6]}-"

@@ -65,6 +65,7 @@ def counts(engine: Engine, s: OutboxSettings) -> dict[str, int]:
                 ("events", t.events),
                 ("inbox", t.inbox),
                 ("idempotency", t.idempotency),
+                ("effects", t.effects),
                 ("failed", t.failed),
             )
         }
@@ -90,6 +91,18 @@ def add_idempotency(engine: Engine, s: OutboxSettings, n: int, expires: Any) -> 
                 insert(keys).values(
                     scope="s", key=uuid.uuid4().hex, payload_hash="h", status="complete",
                     expires_at=expires,
+                )
+            )  # fmt: skip
+
+
+def add_effects(engine: Engine, s: OutboxSettings, n: int, state: str, expires: Any) -> None:
+    ledger = build_tables(s).effects
+    with engine.begin() as conn:
+        for _ in range(n):
+            conn.execute(
+                insert(ledger).values(
+                    key=uuid.uuid4().hex, payload_hash="h", state=state, dependency="d",
+                    dedupe_window=text("interval '1 day'"), expires_at=expires,
                 )
             )  # fmt: skip
 
@@ -125,20 +138,28 @@ def test_cleanup_removes_only_what_is_past_retention(
     add_inbox(engine, s, 15, processed="1 day")
     add_idempotency(engine, s, 12, expires=ago("1 hour"))
     add_idempotency(engine, s, 8, expires=func.now() + text("interval '1 hour'"))
+    add_effects(engine, s, 9, "done", expires=ago("1 hour"))
+    add_effects(engine, s, 2, "failed", expires=ago("1 hour"))
+    add_effects(engine, s, 3, "done", expires=func.now() + text("interval '1 hour'"))
+    add_effects(engine, s, 4, "unknown", expires=None)  # never purged, whatever its age
+    add_effects(engine, s, 1, "pending", expires=None)
     add_failed(engine, s, 5, failed="2 days")
     before = counts(engine, s)
-    assert before == {"events": 60, "inbox": 40, "idempotency": 20, "failed": 5}
+    assert before == {"events": 60, "inbox": 40, "idempotency": 20, "effects": 19, "failed": 5}
     cli = Cli(s)
 
     dry = cli.json("cleanup", "--dry-run", "--batch-size", "7")
-    assert results(dry) == {"events": 30, "inbox": 25, "idempotency": 12}
+    assert results(dry) == {"events": 30, "inbox": 25, "idempotency": 12, "effects": 11}
     assert counts(engine, s) == before  # a dry run deletes nothing
 
     done = cli.json("cleanup", "--batch-size", "7")
-    assert results(done) == {"events": 30, "inbox": 25, "idempotency": 12}
+    assert results(done) == {"events": 30, "inbox": 25, "idempotency": 12, "effects": 11}
     batches = {r["target"]: r["batches"] for r in done["results"]}
     assert batches["inbox"] >= 4 and batches["idempotency"] >= 2  # 7 rows at a time
-    assert counts(engine, s) == {"events": 30, "inbox": 15, "idempotency": 8, "failed": 5}
+    assert batches["effects"] >= 2
+    assert counts(engine, s) == {
+        "events": 30, "inbox": 15, "idempotency": 8, "effects": 8, "failed": 5,
+    }  # fmt: skip
     e = build_tables(s).events
     with engine.connect() as conn:
         left = conn.execute(
@@ -148,7 +169,7 @@ def test_cleanup_removes_only_what_is_past_retention(
 
     # failed rows are only touched on request, and then only the old enough ones
     assert results(cli.json("cleanup", "--failed-older-than", "3d")) == {
-        "events": 0, "inbox": 0, "idempotency": 0, "failed": 0,
+        "events": 0, "inbox": 0, "idempotency": 0, "effects": 0, "failed": 0,
     }  # fmt: skip
     assert results(cli.json("cleanup", "--failed-older-than", "1d"))["failed"] == 5
     assert counts(engine, s)["failed"] == 0

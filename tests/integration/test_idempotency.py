@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client import CollectorRegistry
 from sqlalchemy import Engine, text
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
@@ -46,7 +47,8 @@ from outbox.idempotency import (
     scope_for,
     strip_fields,
 )
-from outbox.retry import HttpStatusError, Permanent
+from outbox.idempotency.metrics import OUTCOMES
+from outbox.resilience.classify import HttpStatusError, Permanent
 from outbox.settings import OutboxSettings
 from tests.support.idempotency import (
     create_effects_table,
@@ -588,3 +590,44 @@ def test_volatile_fields_can_be_stripped_before_hashing() -> None:
     assert request_hash(sent, ignore) == request_hash(retry, ignore)
     assert request_hash({**strip_fields(sent, ignore), "amount": 11}) != request_hash(sent, ignore)
     assert strip_fields([1, 2], ignore) == [1, 2]
+
+
+# ------------------------------------------------------------------------- metrics
+
+
+def test_each_request_is_counted_once_by_outcome(
+    settings: OutboxSettings, engine: Engine, outbox: Outbox, scope: str
+) -> None:
+    registry = CollectorRegistry()
+    keys = IdempotencyKeys(settings, registry=registry)
+
+    def counts() -> dict[str, float]:
+        return {
+            s.labels["outcome"]: s.value
+            for m in registry.collect()
+            for s in m.samples
+            if s.name == "outbox_idempotency_requests_total"
+        }
+
+    assert set(counts()) == set(OUTCOMES) and not any(counts().values()), "all at 0 from start"
+    _run(keys, engine, outbox, scope, "k1", A)
+    _run(keys, engine, outbox, scope, "k1", A)
+    with pytest.raises(IdempotencyConflict):
+        _run(keys, engine, outbox, scope, "k1", B)
+
+    def reject(session: Session) -> StoredResponse:
+        raise Permanent("card declined")
+
+    def reset(session: Session) -> StoredResponse:
+        raise ConnectionResetError("provider reset the connection")
+
+    for key, operation, error in (("k2", reject, Permanent), ("k3", reset, ConnectionResetError)):
+        with pytest.raises(error):
+            keys.run(engine, scope=scope, key=key, payload=A, operation=operation)
+    assert {k: v for k, v in counts().items() if v} == {
+        "created": 1,
+        "replayed": 1,
+        "conflict": 1,
+        "failed": 1,
+        "released": 1,
+    }

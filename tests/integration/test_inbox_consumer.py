@@ -15,7 +15,7 @@ from sqlalchemy.orm import Session
 
 import inbox
 from inbox import DeadLetterFilter, DeadLetters, Permanent, Retryable
-from outbox.settings import ConsumerSettings, OutboxSettings, RetrySettings
+from outbox.settings import OutboxSettings
 from tests.support.inbox import (
     RunningConsumer,
     ce_headers,
@@ -23,6 +23,7 @@ from tests.support.inbox import (
     effect_counts,
     effect_rows,
     effects_table,
+    fast_settings,
     produce,
     wait_for,
 )
@@ -35,15 +36,6 @@ NewTopic = Callable[..., Awaitable[str]]
 class Thing(BaseModel):
     key: str
     seq: int
-
-
-def fast_settings(settings: OutboxSettings, **consumer: Any) -> OutboxSettings:
-    return settings.model_copy(
-        update={
-            "retry": RetrySettings(base_seconds=0.01, cap_seconds=0.05),
-            "consumer": ConsumerSettings(**{"max_attempts": 3, **consumer}),
-        }
-    )
 
 
 def record(i: int, event_id: str | None = None, etype: str = "test.event", **extra: Any):
@@ -183,7 +175,8 @@ async def test_invalid_payload_is_dead_lettered_at_once_without_echoing_it(
     no_id = (b"k", b"{}", [("ce_type", b"test.event")])
     unknown = (b"k", b"{}", ce_headers(str(uuid.uuid4()), "nobody.handles.this"))
     await produce(kafka_bootstrap, topic, [bad_model, bad_json, no_id, unknown, record(1)])
-    async with RunningConsumer(app, fast_settings(settings)) as c:
+    s = fast_settings(settings, unknown_type_policy="dead_letter")  # on request only
+    async with RunningConsumer(app, s) as c:
         await wait_for(lambda: c.metrics.counts["dead_lettered"] >= 4, what="dead letters")
         await wait_for(lambda: c.metrics.counts["processed"] >= 1, what="good event")
     assert calls == ["k1:1"]  # the handler never ran for the bad ones
@@ -210,7 +203,7 @@ async def test_invalid_payload_is_dead_lettered_at_once_without_echoing_it(
     assert f"{topic}:0:2" in {r.event_id for r in rows}
 
 
-async def test_unknown_types_can_be_skipped_by_policy(
+async def test_unknown_types_are_skipped_by_default(
     settings: OutboxSettings, engine: Engine, new_topic: NewTopic, kafka_bootstrap: str
 ) -> None:
     topic = await new_topic()
@@ -219,8 +212,7 @@ async def test_unknown_types_can_be_skipped_by_policy(
     recorder(app, table)
     unknown = (b"k", b"{}", ce_headers(str(uuid.uuid4()), "other.type"))
     await produce(kafka_bootstrap, topic, [unknown, record(1), unknown, record(2)])
-    s = fast_settings(settings, unknown_type_policy="skip")
-    async with RunningConsumer(app, s) as c:
+    async with RunningConsumer(app, fast_settings(settings)) as c:
         await wait_for(lambda: c.metrics.counts["processed"] >= 2, what="processing")
     assert c.metrics.counts["skipped"] == 2 and c.metrics.counts["dead_lettered"] == 0
     assert len(effect_counts(engine, table)) == 2

@@ -22,23 +22,17 @@ from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 from sqlalchemy import Engine, func, select
 
 from examples.payments.app import TOPIC, charges, create_app, refunds
 from outbox import build_tables
 from outbox.idempotency import scope_for
 from outbox.settings import OutboxSettings
+from tests.support.http import Server, free_port
 
 pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Faults:
@@ -54,32 +48,6 @@ class Faults:
         if self.fail_next > 0:
             self.fail_next -= 1
             raise ConnectionResetError("payment provider reset the connection")
-
-
-class Server:
-    """uvicorn serving an app on a free loopback port, in a thread."""
-
-    def __init__(self, app: Any) -> None:
-        self.port = _free_port()
-        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def __enter__(self) -> Server:
-        self.thread.start()
-        deadline = time.monotonic() + 15
-        while not self.server.started:
-            assert self.thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-            time.sleep(0.02)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.server.should_exit = True
-        self.thread.join(15)
 
 
 @pytest.fixture(scope="module")
@@ -193,6 +161,28 @@ def test_created_replayed_and_conflict_over_http(
     assert other.json()["error"]["code"] == "idempotency.payload_mismatch"
     state = _state(engine, settings, tenant, "k1")
     assert (state["refunds"], state["events"], state["refunded"]) == (1, 1, 1000)
+
+
+def test_json_without_canonical_form_is_identified_by_its_bytes(
+    client: httpx.Client, tenant: str
+) -> None:
+    """An integer beyond 2**53 has no RFC 8785 form: such a body is hashed byte for byte,
+    so its exact retry is replayed and a body differing in that integer is a conflict."""
+    charge = _charge(client, tenant)
+    headers = {"X-Tenant-Id": tenant, "Idempotency-Key": "big", "Content-Type": "application/json"}
+
+    def post(reference: int) -> httpx.Response:
+        body = f'{{"charge_id": "{charge}", "amount": 10, "reference": {reference}}}'
+        return client.post("/refunds", content=body, headers=headers)
+
+    first = post(2**60)
+    assert first.status_code == 201, first.text
+    again = post(2**60)
+    assert again.headers["idempotency-status"] == "replayed"
+    assert again.content == first.content
+    conflict = post(2**60 + 1)
+    assert conflict.status_code == 422
+    assert conflict.json()["error"]["code"] == "idempotency.payload_mismatch"
 
 
 def test_missing_or_invalid_key_and_missing_tenant_write_nothing(
@@ -317,7 +307,7 @@ def test_server_killed_mid_request_then_a_retry_refunds_once(
 ) -> None:
     charge = _charge(client, tenant)
     body = {"charge_id": charge, "amount": 400}
-    port = _free_port()
+    port = free_port()
     env = {
         **os.environ,
         "PYTHONPATH": str(ROOT),

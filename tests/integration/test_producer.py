@@ -214,6 +214,81 @@ def test_duplicate_event_id_different_payload_raises(engine: Engine, ob: Outbox)
     assert _count(engine, ob, topic) == 1
 
 
+def _payload(engine: Engine, ob: Outbox, event_id: uuid.UUID) -> bytes:
+    with engine.connect() as conn:
+        events = ob.tables.events
+        return bytes(
+            conn.execute(select(events.c.payload).where(events.c.event_id == event_id)).scalar_one()
+        )
+
+
+async def test_duplicate_event_id_with_reordered_json_is_a_noop(
+    engine: Engine, aengine: AsyncEngine, ob: Outbox
+) -> None:
+    """Member order and 1 vs 1.0 are encoding, not content (RFC 8785 canonical form): the
+    first encoding stays stored, every re-publish of the same JSON is a no-op."""
+    topic = _topic()
+    eid = uuid.uuid4()
+    first = {"a": 1, "b": {"x": [1, 2], "y": "é"}}
+    with Session(engine) as session, session.begin():
+        ob.publish(session, topic=topic, event_type="t", key="k", payload=first, event_id=eid)
+    stored = _payload(engine, ob, eid)
+    reordered = {"b": {"y": "é", "x": [1, 2]}, "a": 1.0}
+    with Session(engine) as session, session.begin():
+        again = ob.publish(
+            session, topic=topic, event_type="t", key="k", payload=reordered, event_id=eid
+        )
+    assert again == eid
+    async with AsyncSession(aengine) as asession, asession.begin():
+        await ob.publish_async(
+            asession, topic=topic, event_type="t", key="k", payload=reordered, event_id=eid
+        )
+    # Both orders inside one batch, for a new id and for the stored one.
+    other = uuid.uuid4()
+    with Session(engine) as session, session.begin():
+        ids = ob.publish_many(
+            session,
+            [
+                Message(topic=topic, event_type="t", key="k", payload=p, event_id=i)
+                for i in (other, eid)
+                for p in (reordered, first)
+            ],
+        )
+    assert ids == [other, other, eid, eid]
+    assert _count(engine, ob, topic) == 2
+    assert _payload(engine, ob, eid) == stored == b'{"a":1,"b":{"x":[1,2],"y":"\xc3\xa9"}}'
+
+
+async def test_duplicate_event_id_with_other_json_still_raises(
+    engine: Engine, aengine: AsyncEngine, ob: Outbox
+) -> None:
+    topic = _topic()
+    eid = uuid.uuid4()
+    first = {"a": 1, "b": {"x": [1, 2]}}
+    with Session(engine) as session, session.begin():
+        ob.publish(session, topic=topic, event_type="t", payload=first, event_id=eid)
+    for changed in (
+        {"b": {"x": [2, 1]}, "a": 1},  # array order is content
+        {"b": {"x": [1, 2]}, "a": 2},
+        {"b": {"x": [1, 2]}, "a": 1, "c": None},
+    ):
+        with pytest.raises(PayloadMismatch), Session(engine) as session, session.begin():
+            ob.publish(session, topic=topic, event_type="t", payload=changed, event_id=eid)
+    reordered = {"b": {"x": [1, 2]}, "a": 1}
+    with pytest.raises(PayloadMismatch), Session(engine) as session, session.begin():
+        ob.publish(session, topic=topic, event_type="other", payload=reordered, event_id=eid)
+    # Raw bytes are opaque: JSON text sent as bytes is compared byte for byte.
+    raw = b'{"b":{"x":[1,2]},"a":1}'
+    with pytest.raises(PayloadMismatch), Session(engine) as session, session.begin():
+        ob.publish(session, topic=topic, event_type="t", payload=raw, event_id=eid)
+    with pytest.raises(PayloadMismatch):
+        async with AsyncSession(aengine) as asession, asession.begin():
+            await ob.publish_async(
+                asession, topic=topic, event_type="t", payload={"a": 3}, event_id=eid
+            )
+    assert _count(engine, ob, topic) == 1
+
+
 def test_oversize_payload_rejected_and_nothing_written(
     engine: Engine, settings: OutboxSettings
 ) -> None:

@@ -13,6 +13,7 @@ from sqlalchemy import Engine, text
 from outbox import Outbox
 from outbox.settings import OutboxSettings
 from relay import Relay
+from tests.support.inbox import wait_for
 from tests.support.kafka import read_all
 from tests.support.relay import publish_numbered, read_ids, verdict
 
@@ -144,13 +145,13 @@ async def test_database_connections_killed_mid_run_lose_nothing(
     assert (v.lost, v.out_of_order, v.unexpected) == (0, 0, 0), v
 
 
-async def test_missing_topic_and_oversize_go_to_failed_without_blocking_the_lane(
+async def test_oversize_goes_to_failed_and_a_missing_topic_waits_without_blocking_the_lane(
     engine: Engine,
     settings: OutboxSettings,
     new_topic: Callable[..., Awaitable[str]],
     running: Callable[[OutboxSettings], Awaitable[Relay]],
 ) -> None:
-    from relay import list_failed, purge_failed, retry_failed
+    from relay import list_failed, purge_failed
 
     topic = await new_topic()
     missing = f"missing-{uuid.uuid4().hex[:8]}"
@@ -179,23 +180,26 @@ async def test_missing_topic_and_oversize_go_to_failed_without_blocking_the_lane
     records = await read_all(settings.kafka_bootstrap_servers, topic, expect=2, wait_seconds=20)
     assert [r.headers["ce_id"].decode() for r in records] == [str(before), str(after)]
     deadline = asyncio.get_running_loop().time() + 20
-    while (rows := list_failed(settings)[0]) and len(rows) < 2:
-        assert asyncio.get_running_loop().time() < deadline, rows
+    while not (rows := list_failed(settings)[0]):
+        assert asyncio.get_running_loop().time() < deadline
         await asyncio.sleep(0.2)
-    while len(rows := list_failed(settings)[0]) < 2:
-        assert asyncio.get_running_loop().time() < deadline, rows
-        await asyncio.sleep(0.2)
-    by_event = {r.event_id: r for r in rows}
-    assert by_event[str(big_id)].attempts == 2
-    assert "bytes" in (by_event[str(big_id)].last_error or "")
-    assert missing in (by_event[str(lost_topic)].last_error or "")
-    assert relay.metrics.failed._value.get() == 2
-    # The operator creates the topic and retries: the event is published after all.
+    [big] = rows  # only the record Kafka can never take
+    assert (big.event_id, big.attempts) == (str(big_id), 2)
+    assert "bytes" in (big.last_error or "")
+    assert relay.metrics.failed._value.get() == 1
+    # The row for the missing topic waits in the outbox, no attempt counted (a deployment
+    # state, not the row's fault) ...
+    with engine.connect() as conn:
+        waiting = conn.execute(
+            text(f"SELECT attempts, last_error FROM {events} WHERE event_id = :e"),
+            {"e": lost_topic},
+        ).one()
+    assert waiting[0] == 0 and missing in (waiting[1] or "")
+    # ... and is published once the operator creates the topic, with no retry command.
     await new_topic(name=missing)
-    assert retry_failed(settings, [by_event[str(lost_topic)].id]) == [by_event[str(lost_topic)].id]
     late = await read_all(settings.kafka_bootstrap_servers, missing, expect=1, wait_seconds=20)
     assert [r.headers["ce_id"].decode() for r in late] == [str(lost_topic)]
-    assert purge_failed(settings, None) == [by_event[str(big_id)].id]
+    assert purge_failed(settings, None) == [big.id]
     assert list_failed(settings) == ([], 0)
 
 
@@ -267,3 +271,30 @@ async def test_broker_rejecting_a_record_fails_only_that_row(
         ).scalar_one()
     assert burned == 0
     purge_failed(s, None)
+
+
+async def test_the_relay_logs_a_status_line_while_it_runs(
+    engine: Engine,
+    settings: OutboxSettings,
+    new_topic: Callable[..., Awaitable[str]],
+    running: Callable[[OutboxSettings], Awaitable[Relay]],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    monkeypatch.setattr("relay.daemon.STATUS_EVERY_SECONDS", 0.5)
+    topic = await new_topic()
+    ids = publish_numbered(engine, settings, topic, 50, keys=5)
+    caplog.set_level("INFO", logger="relay")
+    await running(fast(settings))
+    await read_ids(settings.kafka_bootstrap_servers, topic, ids, wait_seconds=30)
+
+    def published() -> list[float]:
+        return [
+            getattr(r, "published", -1.0)
+            for r in caplog.records
+            if r.getMessage() == "relay status"
+        ]
+
+    await wait_for(lambda: 50 in published(), timeout=10, what="a status line with 50 published")
+    line = next(r for r in caplog.records if r.getMessage() == "relay status")
+    assert {"pending", "oldest_age_seconds", "owned_lanes", "kafka_up"} <= set(vars(line))

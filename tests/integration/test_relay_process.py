@@ -4,10 +4,8 @@ Kafka outage on a private broker, and the `outbox failed` CLI."""
 from __future__ import annotations
 
 import asyncio
-import os
 import random
 import socket
-import subprocess
 import threading
 import time
 import urllib.request
@@ -20,9 +18,8 @@ from sqlalchemy import Engine, text
 
 from outbox.settings import OutboxSettings
 from outbox.tables import build_tables
-from tests.support.kafka import create_topic
+from tests.support.kafka import ServicesFailed, create_topic, private_broker
 from tests.support.relay import (
-    ROOT,
     RelayProcess,
     outbox_cli,
     pending,
@@ -77,9 +74,13 @@ async def test_sigkill_chaos_with_three_relays_loses_nothing_and_keeps_order(
     rng = random.Random(7)
     kills = 0
     try:
+        born = [time.monotonic()] * len(relays)
         while producer.is_alive():
             await asyncio.sleep(rng.uniform(0.3, 1.2))
-            victim = rng.randrange(len(relays))
+            # The oldest relay: past its start-up checks and owning lanes, so the kill
+            # lands in its work (a relay killed during its start-up proves nothing).
+            victim = min(range(len(relays)), key=born.__getitem__)
+            born[victim] = time.monotonic()
             relays[victim].kill()
             kills += 1
             relays[victim] = RelayProcess(env, tmp_path, f"r{victim}-{kills}")
@@ -150,32 +151,11 @@ def private_kafka(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[tuple[str, Callable[[str], None]]]:
     """A broker of our own (stopping the shared one would break everyone else's tests)."""
-    state = tmp_path_factory.mktemp("kafka")
-    port, controller = _free_port(), _free_port()
-    env = {
-        **os.environ,
-        "OUTBOX_SERVICES_DIR": str(state),
-        "OUTBOX_KAFKA_PORT": str(port),
-        "OUTBOX_KAFKA_CONTROLLER_PORT": str(controller),
-    }
-
-    def services(cmd: str) -> None:
-        res = subprocess.run(
-            [str(ROOT / "scripts" / "services"), cmd],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=120,
-            check=False,
-        )
-        if res.returncode != 0:
-            pytest.fail(f"private Kafka {cmd} failed: {res.stderr[-2000:]}", pytrace=False)
-
-    services("kafka-start")
     try:
-        yield f"127.0.0.1:{port}", services
-    finally:
-        services("kafka-stop")
+        with private_broker(tmp_path_factory.mktemp("kafka")) as broker:
+            yield broker
+    except ServicesFailed as exc:
+        pytest.fail(str(exc), pytrace=False)
 
 
 async def test_kafka_down_30s_then_back_all_arrive_and_no_attempts_burned(
@@ -225,32 +205,69 @@ async def test_failed_cli_list_retry_purge(
     settings: OutboxSettings,
     tmp_path: Path,
     kafka_bootstrap: str,
+    new_topic: Callable[..., Awaitable[str]],
 ) -> None:
     s = settings.model_copy(update={"table_prefix": f"cli{uuid.uuid4().hex[:6]}_"})
-    from outbox import migrate
+    from outbox import Outbox, migrate
 
     migrate.upgrade(s)
-    missing = f"later-{uuid.uuid4().hex[:8]}"
-    ids = publish_numbered(engine, s, missing, 3, keys=1)
-    env = relay_env(s, OUTBOX_RELAY__MAX_ATTEMPTS="1", COLUMNS="400")
-    relay = RelayProcess(env, tmp_path, "cli")
+    topic = await new_topic()
+    with engine.begin() as conn:
+        ids = [
+            str(Outbox(s).publish(conn, topic=topic, key="k", event_type="t.big", payload=p))
+            for p in ({"pad": "x" * 3000, "n": n} for n in range(3))
+        ]
+    # A relay whose record limit is below these rows: Kafka-side "too large", for good.
+    small = relay_env(s, OUTBOX_RELAY__MAX_ATTEMPTS="1", OUTBOX_MAX_PAYLOAD_BYTES="2000")
+    env = relay_env(s, COLUMNS="400")
+    relay = RelayProcess(small, tmp_path, "cli")
     try:
         assert await asyncio.to_thread(wait_drained, engine, s, 30) == 0
-        listed = outbox_cli("failed", "list", env=env)
-        assert listed.returncode == 0, listed.stderr
-        assert "3 failed row(s)" in listed.stdout and "does not exist" in listed.stdout
-        bad = outbox_cli("failed", "retry", env=env)
-        assert bad.returncode == 2  # neither ids nor --all: refused, nothing touched
-        await create_topic(kafka_bootstrap, missing, 1)
+    finally:
+        relay.kill()
+    listed = outbox_cli("failed", "list", env=env)
+    assert listed.returncode == 0, listed.stderr
+    assert "3 failed row(s)" in listed.stdout and "over the relay's limit" in listed.stdout
+    bad = outbox_cli("failed", "retry", env=env)
+    assert bad.returncode == 2  # neither ids nor --all: refused, nothing touched
+    relay = RelayProcess(env, tmp_path, "cli-after")
+    try:
         retried = outbox_cli("failed", "retry", "--all", env=env)
         assert retried.returncode == 0 and "requeued 3 row(s)" in retried.stdout, retried.stderr
-        records = await read_ids(kafka_bootstrap, missing, ids, wait_seconds=30)
-        assert verdict(records, ids).lost == 0
+        records = await read_ids(kafka_bootstrap, topic, ids, wait_seconds=30)
+        assert {r.headers["ce_id"].decode() for r in records} == set(ids)
         assert "0 failed row(s)" in outbox_cli("failed", "list", env=env).stdout
-        purged = outbox_cli("failed", "purge", "--all", env=env)
+        purged = outbox_cli("failed", "purge", "--all", "--yes", env=env)
         assert purged.returncode == 0 and "purged 0 row(s)" in purged.stdout
     finally:
         relay.kill()
+
+
+async def test_a_missing_topic_holds_its_rows_without_burning_attempts(
+    engine: Engine, settings: OutboxSettings, tmp_path: Path, kafka_bootstrap: str
+) -> None:
+    missing = f"later-{uuid.uuid4().hex[:8]}"
+    ids = publish_numbered(engine, settings, missing, 3, keys=1)
+    relay = RelayProcess(relay_env(settings, OUTBOX_RELAY__MAX_ATTEMPTS="1"), tmp_path, "missing")
+    events = build_tables(settings).events.fullname
+    failed = build_tables(settings).failed.fullname
+    try:
+        await asyncio.sleep(6)  # more than one re-check of the topic
+        with engine.connect() as conn:
+            waiting, burned = conn.execute(
+                text(f"SELECT count(*), count(*) FILTER (WHERE attempts > 0) FROM {events}")
+            ).one()
+            moved = conn.execute(text(f"SELECT count(*) FROM {failed}")).scalar_one()
+        assert (waiting, burned, moved) == (3, 0, 0), relay.log()[-3000:]
+        await create_topic(kafka_bootstrap, missing, 1)
+        records = await read_ids(kafka_bootstrap, missing, ids, wait_seconds=30)
+    finally:
+        relay.kill()
+    assert verdict(records, ids).lost == 0
+    log = relay.log()
+    assert log.count("Kafka topic missing") == 1, log[-3000:]  # once, not per batch
+    assert "outbox topics ensure --topic " + missing in log
+    assert log.count("Kafka topic exists now") == 1, log[-3000:]
 
 
 def test_relay_without_tables_exits_1_with_a_clear_error(

@@ -8,13 +8,14 @@ import subprocess
 import uuid
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from pathlib import Path
+from typing import Any
 
 from aiokafka import AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient
 from sqlalchemy import Engine, text
 
 from inbox import Consumer, ConsumerDaemon, Metrics
-from outbox.settings import OutboxSettings
+from outbox.settings import ConsumerSettings, OutboxSettings, RetrySettings
 
 ROOT = Path(__file__).resolve().parents[2]
 Headers = list[tuple[str, bytes]]
@@ -47,6 +48,15 @@ async def produce(
         await asyncio.gather(*futures)
     finally:
         await producer.stop()
+
+
+def fast_settings(settings: OutboxSettings, **consumer: Any) -> OutboxSettings:
+    return settings.model_copy(
+        update={
+            "retry": RetrySettings(base_seconds=0.01, cap_seconds=0.05),
+            "consumer": ConsumerSettings(**{"max_attempts": 3, **consumer}),
+        }
+    )
 
 
 def effects_table(engine: Engine) -> str:

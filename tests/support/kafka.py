@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import socket
+import subprocess
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 from aiokafka import AIOKafkaConsumer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
@@ -79,3 +84,48 @@ async def read_all(
     if expect <= 0:
         return []
     return await read_until(bootstrap, topic, enough, wait_seconds)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class ServicesFailed(RuntimeError):
+    pass
+
+
+@contextmanager
+def private_broker(state: Path) -> Iterator[tuple[str, Callable[[str], None]]]:
+    """A broker of our own, from scripts/services (stopping the shared one would break
+    everyone else's tests): yields its bootstrap address and ``services(cmd)`` to run
+    ``kafka-stop`` / ``kafka-start`` on it."""
+    root = Path(__file__).resolve().parents[2]
+    port, controller = free_port(), free_port()
+    env = {
+        **os.environ,
+        "OUTBOX_SERVICES_DIR": str(state),
+        "OUTBOX_KAFKA_PORT": str(port),
+        "OUTBOX_KAFKA_CONTROLLER_PORT": str(controller),
+        # Without a SASL_SSL listener: its default port is the shared broker's.
+        "OUTBOX_KAFKA_SASL_SSL_PORT": "0",
+    }
+
+    def services(cmd: str) -> None:
+        res = subprocess.run(
+            [str(root / "scripts" / "services"), cmd],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        if res.returncode != 0:
+            raise ServicesFailed(f"private Kafka {cmd} failed: {res.stderr[-2000:]}")
+
+    services("kafka-start")
+    try:
+        yield f"127.0.0.1:{port}", services
+    finally:
+        services("kafka-stop")

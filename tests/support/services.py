@@ -4,18 +4,27 @@ Order: URLs in the environment (OUTBOX_DATABASE_URL + OUTBOX_KAFKA_BOOTSTRAP_SER
 testcontainers when a Docker engine answers → the native services of scripts/services.
 A service that cannot be reached fails the run with a message saying what to run; it is
 never skipped.
+
+The secured endpoints of the security tests (Kafka SASL_SSL, PostgreSQL TLS, the test CA
+and certificates) come the same way: the OUTBOX_TEST_* variables in the environment when the
+plain endpoints do, else the export lines of the native `scripts/services up`. Testcontainers
+has none; ``Endpoints.require_secured()`` then fails the test, saying why.
 """
 
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import socket
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
+
+from sqlalchemy.engine import make_url
 
 ROOT = Path(__file__).resolve().parents[2]
 HINT = (
@@ -29,10 +38,89 @@ class ServiceUnavailable(RuntimeError):
 
 
 @dataclass(frozen=True)
+class Secured:
+    """The secured test services of ``scripts/services`` (see its OUTBOX_TEST_* lines)."""
+
+    kafka_sasl_ssl: str  # host:port of the SASL_SSL listener (SCRAM-SHA-512/256, PLAIN)
+    kafka_user: str
+    kafka_password: str = field(repr=False)
+    ca_file: Path  # signs the broker's and PostgreSQL's certificates, and the client's
+    untrusted_ca_file: Path  # a CA that signed none of them
+    client_cert_file: Path  # CN=outbox, signed by ca_file
+    client_key_file: Path
+    pg_tls_url: str = field(repr=False)  # sslmode=verify-full against ca_file
+
+    VARS: ClassVar[dict[str, str]] = {
+        "kafka_sasl_ssl": "OUTBOX_TEST_KAFKA_SASL_SSL",
+        "kafka_user": "OUTBOX_TEST_KAFKA_USER",
+        "kafka_password": "OUTBOX_TEST_KAFKA_PASSWORD",
+        "ca_file": "OUTBOX_TEST_TLS_CA",
+        "untrusted_ca_file": "OUTBOX_TEST_TLS_UNTRUSTED_CA",
+        "client_cert_file": "OUTBOX_TEST_TLS_CLIENT_CERT",
+        "client_key_file": "OUTBOX_TEST_TLS_CLIENT_KEY",
+        "pg_tls_url": "OUTBOX_TEST_PG_TLS_URL",
+    }
+
+    @classmethod
+    def parse(cls, values: Mapping[str, str]) -> Secured | str:
+        """The secured endpoints named in ``values``, or why there are none."""
+        missing = [var for var in cls.VARS.values() if not values.get(var)]
+        if missing:
+            return f"{', '.join(missing)} not set"
+        # `export $(scripts/services env | sed 's/export //')` keeps the shell quotes
+        # that protect the DSN's '&'; take them off the way a shell would.
+        got = {name: _unquote(values[var]) for name, var in cls.VARS.items()}
+        paths = {
+            name: Path(got[name])
+            for name in ("ca_file", "untrusted_ca_file", "client_cert_file", "client_key_file")
+        }
+        unreadable = [str(p) for p in paths.values() if not p.is_file()]
+        if unreadable:
+            return f"TLS files not found: {', '.join(unreadable)}"
+        return cls(
+            kafka_sasl_ssl=got["kafka_sasl_ssl"],
+            kafka_user=got["kafka_user"],
+            kafka_password=got["kafka_password"],
+            pg_tls_url=got["pg_tls_url"],
+            **paths,
+        )
+
+    def verify_full(self, database_url: str, ca_file: Path | None = None) -> str:
+        """``database_url`` (e.g. the session database) over TLS with sslmode=verify-full."""
+        query = {"sslmode": "verify-full", "sslrootcert": str(ca_file or self.ca_file)}
+        url = make_url(database_url).update_query_dict(query)
+        return url.render_as_string(hide_password=False)
+
+
+def _unquote(value: str) -> str:
+    if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
+        return shlex.split(value)[0]
+    return value
+
+
+@dataclass(frozen=True)
 class Endpoints:
     database_url: str
     kafka_bootstrap: str
     how: str
+    # The parsed secured endpoints, or why there are none.
+    secured: Secured | str = "not asked for"
+
+    def require_secured(self) -> Secured:
+        """The secured endpoints; ServiceUnavailable (a test failure, not a skip) if absent."""
+        if isinstance(self.secured, str):
+            raise ServiceUnavailable(
+                f"the secured test services (Kafka SASL_SSL, PostgreSQL TLS) are missing "
+                f"({self.how}: {self.secured}); start them with `scripts/services up` and "
+                "take the OUTBOX_TEST_* lines of `scripts/services env` into the environment"
+            )
+        if not _reachable(self.secured.kafka_sasl_ssl):
+            raise ServiceUnavailable(
+                f"the Kafka SASL_SSL listener {self.secured.kafka_sasl_ssl} is not reachable; "
+                "a broker started by an older scripts/services lacks it: "
+                "scripts/services kafka-stop && scripts/services kafka-start"
+            )
+        return self.secured
 
 
 def _docker_engine() -> bool:
@@ -52,7 +140,12 @@ def _containers() -> Iterator[Endpoints]:
         # testcontainers' KafkaContainer drives Confluent images: 7.9 is Apache Kafka 3.9
         # in KRaft mode (the native services and docker-compose.yml run Kafka 4.1).
         kafka = stack.enter_context(KafkaContainer("confluentinc/cp-kafka:7.9.0").with_kraft())
-        yield Endpoints(pg.get_connection_url(), kafka.get_bootstrap_server(), "testcontainers")
+        yield Endpoints(
+            pg.get_connection_url(),
+            kafka.get_bootstrap_server(),
+            "testcontainers",
+            "testcontainers runs no secured services",
+        )
 
 
 def _native() -> Endpoints:
@@ -63,18 +156,25 @@ def _native() -> Endpoints:
             f"scripts/services up failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}"
         )
     env = dict(
-        line.removeprefix("export ").split("=", 1)
+        shlex.split(line)[1].split("=", 1)
         for line in proc.stdout.splitlines()
         if line.startswith("export ")
     )
-    return Endpoints(env["OUTBOX_DATABASE_URL"], env["OUTBOX_KAFKA_BOOTSTRAP_SERVERS"], "native")
+    return Endpoints(
+        env["OUTBOX_DATABASE_URL"],
+        env["OUTBOX_KAFKA_BOOTSTRAP_SERVERS"],
+        "native",
+        Secured.parse(env),
+    )
 
 
 def _reachable(host_port: str) -> bool:
     host, _, port = host_port.rpartition(":")
     try:
-        with socket.create_connection((host or "127.0.0.1", int(port)), timeout=3):
-            return True
+        with socket.create_connection((host or "127.0.0.1", int(port)), timeout=3) as sock:
+            # Nobody listening on a loopback port of the ephemeral range, the kernel may pick
+            # that very port as the source and connect the socket to itself.
+            return bool(sock.getsockname() != sock.getpeername())
     except OSError:
         return False
 
@@ -84,7 +184,7 @@ def endpoints() -> Iterator[Endpoints]:
     url = os.environ.get("OUTBOX_DATABASE_URL")
     kafka = os.environ.get("OUTBOX_KAFKA_BOOTSTRAP_SERVERS")
     if url and kafka:
-        found = Endpoints(url, kafka, "environment")
+        found = Endpoints(url, kafka, "environment", Secured.parse(os.environ))
     elif _docker_engine():
         with _containers() as found:
             yield found

@@ -6,10 +6,9 @@ import asyncio
 
 import pytest
 
-from outbox.breaker import BreakerState, CircuitBreaker, CircuitBreakers, CircuitOpen
 from outbox.errors import ConfigurationError
-from outbox.retry import HttpStatusError
-from outbox.settings import RetrySettings
+from outbox.resilience.breaker import BreakerState, CircuitBreaker, CircuitBreakers, CircuitOpen
+from outbox.resilience.classify import HttpStatusError
 
 
 class Clock:
@@ -156,8 +155,7 @@ def test_stale_results_from_before_a_state_change_are_ignored(
 
 
 def test_registry_keeps_one_breaker_per_dependency(clock: Clock) -> None:
-    settings = RetrySettings(breaker_failure_threshold=1, breaker_recovery_seconds=5)
-    breakers = CircuitBreakers(settings, clock=clock)
+    breakers = CircuitBreakers(failure_threshold=1, recovery_seconds=5, clock=clock)
     assert breakers.get("psp") is breakers.get("psp")
     fail(breakers.get("psp"))
     assert breakers.states() == {"psp": BreakerState.OPEN}

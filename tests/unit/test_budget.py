@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from outbox.budget import RetryBudget
 from outbox.errors import ConfigurationError
-from outbox.settings import RetrySettings
+from outbox.resilience.budget import RetryBudget
 
 
 class Clock:
@@ -49,8 +48,6 @@ def test_time_refill_lets_a_quiet_process_retry() -> None:
     assert budget.available == 3
 
 
-def test_from_settings_and_validation() -> None:
-    budget = RetryBudget.from_settings(RetrySettings(budget_ratio=0.5, budget_burst=2))
-    assert (budget.ratio, budget.burst) == (0.5, 2)
+def test_invalid_budget_is_rejected() -> None:
     with pytest.raises(ConfigurationError):
         RetryBudget(ratio=-1)

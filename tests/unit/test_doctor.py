@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from outbox.doctor import Finding, _create_index_sql, exit_code
+from outbox.ops.doctor import Finding, _create_index_sql, exit_code
 from outbox.settings import OutboxSettings
 from outbox.tables import build_tables
 

@@ -11,7 +11,16 @@ import pytest
 from pydantic import BaseModel
 
 from outbox import Message, PayloadError, PayloadTooLarge, canonical_json, idempotency_key, uuid7
-from outbox.envelope import JSON, OCTET_STREAM, encode_payload, lane_for, prepare
+from outbox.envelope import (
+    JSON,
+    OCTET_STREAM,
+    Row,
+    StoredEvent,
+    encode_payload,
+    lane_for,
+    prepare,
+    same_event,
+)
 
 
 class Order(BaseModel):
@@ -76,6 +85,37 @@ def test_fingerprint_covers_topic_key_type_payload() -> None:
     assert _prep(event_id=eid, key="k", topic="other").fingerprint != base
     assert _prep(event_id=eid, key="k", event_type="x").fingerprint != base
     assert _prep(event_id=eid, key="k", payload={"a": 2}).fingerprint != base
+
+
+def _stored(row: Row, **kw: object) -> StoredEvent:
+    fields: dict[str, object] = {
+        "topic": row.topic,
+        "key": row.key,
+        "event_type": row.event_type,
+        "content_type": row.content_type,
+        "payload": row.payload,
+    }
+    fields.update(kw)
+    return StoredEvent(**fields)  # type: ignore[arg-type]
+
+
+def test_same_event_compares_json_payloads_by_their_canonical_form() -> None:
+    row = _prep(key="k", payload={"b": {"y": "é", "x": [1, 2]}, "a": 1.0})
+    assert isinstance(row, Row)
+    assert same_event(row, _stored(row, payload=b'{"a":1,"b":{"x":[1,2],"y":"\\u00e9"}}'))
+    assert not same_event(row, _stored(row, payload=b'{"a":1,"b":{"x":[2,1],"y":"\\u00e9"}}'))
+    assert not same_event(row, _stored(row, payload=b'{"a":1,"b":{"x":[1,2],"y":"e"}}'))
+    same = b'{"a":1,"b":{"x":[1,2],"y":"\\u00e9"}}'
+    assert not same_event(row, _stored(row, payload=same, key=b"other"))
+    assert not same_event(row, _stored(row, payload=same, topic="other"))
+    assert not same_event(row, _stored(row, payload=same, event_type="other"))
+    # Raw bytes are compared as bytes, even when they happen to be JSON.
+    assert not same_event(row, _stored(row, payload=same, content_type=OCTET_STREAM))
+    # No canonical form (an integer beyond 2**53, not JSON at all): the bytes decided.
+    big = _prep(payload={"id": 2**60, "a": 1})
+    assert isinstance(big, Row)
+    assert not same_event(big, _stored(big, payload=b'{"a":1,"id":1152921504606846976}'))
+    assert not same_event(row, _stored(row, payload=b"{not json"))
 
 
 def test_size_limit_counts_key_payload_and_headers() -> None:

@@ -98,3 +98,26 @@ def test_bad_declarations_are_refused() -> None:
         inbox.Consumer(name="c", topics=["t"], kafka_options={"group_id": "x"})
     with pytest.raises(InvalidIdentifier):
         inbox.Consumer(name="bad name", topics=["t"])
+
+
+def test_healthz_is_unhealthy_only_when_waiting_records_make_no_progress() -> None:
+    import time
+    from types import SimpleNamespace
+
+    from inbox.runner import STALLED_AFTER_SECONDS, ConsumerDaemon
+    from outbox.settings import OutboxSettings
+
+    settings = OutboxSettings(
+        database_url="postgresql+psycopg://u:p@127.0.0.1:1/db",  # type: ignore[arg-type]
+        kafka_bootstrap_servers="127.0.0.1:1",
+    )
+    daemon = ConsumerDaemon(inbox.Consumer(name="c", topics=["t"]), settings)
+    assert not daemon.healthy()  # not started
+    daemon._running = True
+    assert daemon.healthy()  # no partitions: idle, not unhealthy
+    daemon._lanes = {"tp": SimpleNamespace(events=[object()])}  # type: ignore[dict-item]
+    assert daemon.healthy()  # records waiting, progress recent
+    daemon._progress_at = time.monotonic() - STALLED_AFTER_SECONDS - 1
+    assert not daemon.healthy()  # waiting and nothing committed for too long
+    daemon._lanes["tp"].events.clear()  # type: ignore[attr-defined]
+    assert daemon.healthy()  # caught up: quiet is fine

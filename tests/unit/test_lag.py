@@ -9,7 +9,7 @@ import pytest
 
 from cli.ops import _lanes, parse_duration
 from outbox.errors import ConfigurationError
-from outbox.lag import (
+from outbox.ops.lag import (
     RATE_WINDOW_SECONDS,
     GroupLag,
     LagReport,

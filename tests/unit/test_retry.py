@@ -10,10 +10,8 @@ from email.utils import format_datetime
 
 import pytest
 
-from outbox.breaker import CircuitBreaker, CircuitOpen
-from outbox.budget import RetryBudget, RetryBudgetExhausted
 from outbox.errors import BrokerUnavailable, ConfigurationError, PayloadError
-from outbox.retry import (
+from outbox.resilience import (
     HttpStatusError,
     Permanent,
     Retrier,
@@ -24,6 +22,8 @@ from outbox.retry import (
     retry_after_of,
     retry_after_seconds,
 )
+from outbox.resilience.breaker import CircuitBreaker, CircuitOpen
+from outbox.resilience.budget import RetryBudget, RetryBudgetExhausted
 from outbox.settings import RetrySettings
 
 NOW = 1_800_000_000.0

@@ -1,0 +1,82 @@
+"""``outbox topics ensure``: create the relay's and the consumers' topics (idempotent).
+
+Exit codes: 0 every topic exists or was created; 1 a topic could not be created, exists with
+fewer partitions than asked, or Kafka could not be reached; 2 bad arguments (a topic spec,
+an app that cannot be loaded).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import typer
+
+from cli.consume import load_consumer
+from cli.context import error, out, run, settings_of
+from outbox.ops.topics import TopicResult, TopicSpec, consumer_topics, ensure, relay_topics
+
+app = typer.Typer(help="Kafka topics the deployment needs.", no_args_is_help=True)
+
+
+@app.command("ensure")
+def ensure_command(
+    ctx: typer.Context,
+    topics: list[str] = typer.Option(
+        [],
+        "--topic",
+        help="A topic the relay publishes to, NAME or NAME:PARTITIONS (repeatable; added to "
+        "OUTBOX_TOPICS__NAMES).",
+    ),
+    apps: list[str] = typer.Option(
+        [],
+        "--app",
+        help="A consumer as MODULE:ATTR: its topics and their dead-letter topics (repeatable).",
+    ),
+    as_json: bool = typer.Option(False, "--json", help="Print the results as JSON."),
+) -> None:
+    """Create missing topics (partitions from NAME:P or OUTBOX_TOPICS__PARTITIONS; replication
+    OUTBOX_TOPICS__REPLICATION_FACTOR capped by the broker count). Existing topics are left
+    alone; one with fewer partitions than asked is reported (exit 1)."""
+    settings = settings_of(ctx)
+
+    def wanted() -> list[TopicSpec]:
+        specs = relay_topics(settings, topics)
+        counts = {s.name: s.partitions for s in specs}
+        for target in apps:
+            consumer = load_consumer(target)
+            specs.extend(consumer_topics(consumer.settings or settings, consumer.topics, counts))
+        return specs
+
+    specs = run(wanted)
+    if not specs:
+        error(
+            "no topics: give --topic NAME[:PARTITIONS] / --app MODULE:ATTR, "
+            "or set OUTBOX_TOPICS__NAMES"
+        )
+        raise typer.Exit(2)
+    results = run(lambda: asyncio.run(ensure(settings, specs)))
+    if as_json:
+        out.print(
+            json.dumps([r.to_dict() for r in results]),
+            markup=False,
+            highlight=False,
+            soft_wrap=True,
+        )
+    else:
+        for r in results:
+            out.print(_line(r), highlight=False)
+    raise typer.Exit(0 if all(r.ok for r in results) else 1)
+
+
+def _line(r: TopicResult) -> str:
+    if r.status == "created":
+        return (
+            f"created  {r.topic} ({r.partitions} partitions, "
+            f"replication factor {r.replication_factor})"
+        )
+    if r.status == "exists":
+        return f"exists   {r.topic} ({r.partitions} partitions)"
+    if r.status == "too_few_partitions":
+        return f"PROBLEM  {r.topic}: {r.detail}"
+    return f"FAILED   {r.topic}: {r.detail}"

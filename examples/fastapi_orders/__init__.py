@@ -1,0 +1,1 @@
+"""An order API on FastAPI with idempotent POST /orders (see app.py)."""

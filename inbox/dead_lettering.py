@@ -1,0 +1,113 @@
+"""Dead-lettering one event: produce the original record to ``<topic>.dlq`` with error
+headers, record it in the ``dead_letters`` table, and mark its inbox row, in the caller's
+transaction. Also the skip-or-dead-letter policy for unknown types and malformed records.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Protocol
+
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from inbox import failures, tracing
+from inbox.event import InboxEvent
+from inbox.failures import Failure
+from inbox.store import DEAD_LETTERED, InboxStore
+from outbox.settings import ConsumerSettings
+
+log = logging.getLogger("outbox.inbox")
+
+
+class DeadLetterSink(Protocol):
+    async def send(
+        self, topic: str, key: bytes | None, value: bytes | None, headers: list[tuple[str, bytes]]
+    ) -> tuple[int, int]:
+        """Produce one record and wait for the broker's ack; return (partition, offset)."""
+        ...
+
+
+@dataclass(frozen=True)
+class DeadLetterer:
+    consumer: str
+    config: ConsumerSettings
+    store: InboxStore
+    sink: DeadLetterSink
+
+    async def apply_policy(self, session: AsyncSession, event: InboxEvent) -> bool:
+        """Unknown type or malformed record: dead-letter or skip. True if dead-lettered."""
+        if event.malformed is not None:
+            failure, policy = failures.malformed(event.malformed), self.config.malformed_policy
+        else:
+            failure = failures.unknown_type(event.event_type)
+            policy = self.config.unknown_type_policy
+        if policy == "skip":
+            log.debug(
+                "skipped",
+                extra={
+                    "event_id": event.event_id,
+                    "topic": event.topic,
+                    "partition": event.partition,
+                    "reason": failure.message,
+                },
+            )
+            return False
+        return await self.send(session, event, failure, attempts=0)
+
+    async def send(
+        self, session: AsyncSession, event: InboxEvent, failure: Failure, attempts: int
+    ) -> bool:
+        """Send the original record to the DLQ and record it, in ``session``'s transaction.
+
+        The inbox row is claimed first: a duplicate is not dead-lettered twice. The produce
+        is acknowledged before the commit; a crash in between re-sends it (the DLQ topic is
+        at-least-once; the dead_letters table, keyed by event id, is the source of truth).
+        """
+        claimed = await self.store.claim(
+            session,
+            self.consumer,
+            [event],
+            status=DEAD_LETTERED,
+            attempts=attempts,
+            last_error=failure.text(),
+        )
+        if not claimed:
+            return False
+        dlq_topic = event.topic + self.config.dlq_suffix
+        headers = [
+            *event.headers,
+            ("dlq_error_class", failure.error_class.encode()),
+            ("dlq_error_message", failure.message.encode()),
+            ("dlq_attempts", str(attempts).encode()),
+            ("dlq_consumer", self.consumer.encode()),
+            ("dlq_original_topic", event.topic.encode()),
+            ("dlq_original_partition", str(event.partition).encode()),
+            ("dlq_original_offset", str(event.offset).encode()),
+        ]
+        partition, offset = await self.sink.send(dlq_topic, event.key, event.value, headers)
+        tracing.dead_lettered(event, self.consumer, failure, attempts, dlq_topic)
+        await self.store.add_dead_letter(
+            session,
+            self.consumer,
+            event,
+            error_class=failure.error_class,
+            error_message=failure.message,
+            attempts=attempts,
+            dlq_topic=dlq_topic,
+            dlq_partition=partition,
+            dlq_offset=offset,
+        )
+        log.warning(
+            "dead-lettered",
+            extra={
+                "consumer": self.consumer,
+                "event_id": event.event_id,
+                "topic": event.topic,
+                "partition": event.partition,
+                "offset": event.offset,
+                "error": failure.error_class,
+                "attempts": attempts,
+            },
+        )
+        return True

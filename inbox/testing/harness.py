@@ -1,0 +1,269 @@
+"""Deliver events to a consumer app's handlers through the real processing path, without
+Kafka: inbox dedupe, error classification, attempts, retries and dead letters are the
+daemon's own (:class:`~inbox.processor.PartitionProcessor`), run against the user's
+database. Only the dead-letter topic is replaced by a list that records what would have
+been produced.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal
+
+from pydantic import BaseModel
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
+from sqlalchemy.pool import NullPool
+
+from inbox.app import Consumer
+from inbox.event import InboxEvent, header_text
+from inbox.metrics import Metrics
+from inbox.processor import PartitionProcessor
+from inbox.store import InboxStore
+from outbox.db import async_engine
+from outbox.envelope import SEQUENCE_HEADER, encode_payload
+from outbox.resilience.retry import RetryPolicy
+from outbox.settings import OutboxSettings
+from outbox.tables import build_tables
+from outbox.testing import PublishedEvent
+
+Outcome = Literal["handled", "duplicate", "dead_lettered", "skipped", "stale"]
+
+
+@dataclass(frozen=True)
+class DeadLetterRecord:
+    """What would have been produced to the dead-letter topic."""
+
+    topic: str
+    event_id: str
+    key: bytes | None
+    value: bytes | None
+    headers: tuple[tuple[str, bytes], ...]
+
+    def header(self, name: str) -> str | None:
+        return header_text(self.headers, name)
+
+    @property
+    def error_class(self) -> str:
+        return self.header("dlq_error_class") or ""
+
+    @property
+    def error_message(self) -> str:
+        return self.header("dlq_error_message") or ""
+
+    @property
+    def attempts(self) -> int:
+        return int(self.header("dlq_attempts") or 0)
+
+    def json(self) -> Any:
+        """The original value parsed as JSON."""
+        return json.loads(self.value or b"null")
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """What one :meth:`InboxHarness.deliver` did with the event."""
+
+    event: InboxEvent
+    outcome: Outcome
+    # Handler runs this delivery made (retries included); 0 for duplicates and skips.
+    runs: int
+    dead_letter: DeadLetterRecord | None = None
+
+
+@dataclass
+class _RecordingSink:
+    records: list[DeadLetterRecord] = field(default_factory=list)
+
+    async def send(
+        self, topic: str, key: bytes | None, value: bytes | None, headers: list[tuple[str, bytes]]
+    ) -> tuple[int, int]:
+        event_id = next((v.decode() for n, v in reversed(headers) if n == "ce_id"), "")
+        self.records.append(DeadLetterRecord(topic, event_id, key, value, tuple(headers)))
+        return 0, len(self.records) - 1
+
+
+class InboxHarness:
+    """``deliver`` events to ``app`` one at a time, as the consumer daemon would.
+
+    Use ``InboxHarness(app, settings)`` (or the pytest plugin's ``inbox_harness``
+    fixture); ``close()`` (or ``async with``) lets go of the partitions and the engines.
+    Each delivery gets the next offset of one partition of the event's topic, so
+    delivering the same event twice is a redelivery: the second is a duplicate. Retries
+    do not wait (backoff 0); ``max_attempts`` is the settings' or the handler's, as in
+    production.
+    """
+
+    def __init__(self, app: Consumer, settings: OutboxSettings, *, partition: int = 0) -> None:
+        self.app = app
+        self.settings = settings
+        self.partition = partition
+        self.dead_letters: list[DeadLetterRecord] = []
+        self._sink = _RecordingSink(self.dead_letters)
+        self.metrics = Metrics(app.name)
+        self._store = InboxStore(build_tables(settings))
+        self._engine: AsyncEngine | None = None
+        self._autocommit: AsyncEngine | None = None
+        self._processors: dict[str, PartitionProcessor] = {}
+        # Offsets grow across harnesses too (a time base): the durable attempt marker of an
+        # earlier test run must never look like a run of this one.
+        self._next_offset = time.time_ns() // 1000
+
+    async def __aenter__(self) -> InboxHarness:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        for processor in self._processors.values():
+            await processor.release()
+        self._processors.clear()
+        for engine in (self._engine, self._autocommit):
+            if engine is not None:
+                await engine.dispose()
+        self._engine = self._autocommit = None
+
+    def event(
+        self,
+        event_type: str,
+        payload: BaseModel | Mapping[str, Any] | list[Any] | bytes,
+        *,
+        key: str | bytes | None = None,
+        event_id: str | uuid.UUID | None = None,
+        topic: str | None = None,
+        headers: Mapping[str, str] | None = None,
+        sequence: int | None = None,
+    ) -> InboxEvent:
+        """An event as the relay would put it on Kafka (CloudEvents binary headers)."""
+        value, content_type = encode_payload(payload)
+        all_headers = [
+            ("ce_id", str(event_id or uuid.uuid4()).encode()),
+            ("ce_type", event_type.encode()),
+            ("ce_source", b"urn:test"),
+            ("ce_specversion", b"1.0"),
+            ("content-type", content_type.encode()),
+            *((name, text.encode()) for name, text in (headers or {}).items()),
+        ]
+        if sequence is not None:
+            all_headers.append((SEQUENCE_HEADER, f"{sequence:020d}".encode()))
+        return InboxEvent(
+            event_id=all_headers[0][1].decode(),
+            event_type=event_type,
+            topic=topic or self.app.topics[0],
+            partition=self.partition,
+            offset=-1,
+            key=key.encode() if isinstance(key, str) else key,
+            value=value,
+            headers=tuple(all_headers),
+            timestamp_ms=time.time_ns() // 1_000_000,
+        )
+
+    async def deliver(
+        self,
+        event: InboxEvent | PublishedEvent | str,
+        payload: BaseModel | Mapping[str, Any] | list[Any] | bytes | None = None,
+        **fields: Any,
+    ) -> Delivery:
+        """Deliver ``event`` and handle it to the end: committed, skipped as a duplicate,
+        or dead-lettered after its attempts. ``event`` is an :class:`InboxEvent` (from
+        :meth:`event`), an event a unit of work published (:mod:`outbox.testing`: the
+        producer's side and the consumer's tested together), or an event type with its
+        payload and :meth:`event`'s keyword arguments."""
+        if isinstance(event, PublishedEvent):
+            event = self._from_outbox(event)
+        elif isinstance(event, str):
+            if payload is None:
+                raise TypeError("deliver(event_type, payload, ...) needs a payload")
+            event = self.event(event, payload, **fields)
+        event = replace(event, offset=self._next_offset)
+        self._next_offset += 1
+        processor = self._processor(event.topic)
+        before = dict(self.metrics.counts)
+        letters = len(self.dead_letters)
+        pending = [event]
+
+        def queued(after: int, limit: int) -> Sequence[InboxEvent]:
+            return [e for e in pending if e.offset > after][:limit]
+
+        async def progressed(next_offset: int) -> None:
+            pending[:] = [e for e in pending if e.offset >= next_offset]
+
+        processor.on_progress = progressed
+        while pending:
+            await processor.process(queued)
+        await processor.release()
+        counts = {k: v - before[k] for k, v in self.metrics.counts.items()}
+        dead = self.dead_letters[letters] if len(self.dead_letters) > letters else None
+        return Delivery(event, _outcome(counts), _runs(counts, dead), dead)
+
+    def _from_outbox(self, event: PublishedEvent) -> InboxEvent:
+        headers = dict(event.headers)
+        sequence = headers.pop(SEQUENCE_HEADER, None)
+        return self.event(
+            event.event_type,
+            event.payload,
+            key=event.key,
+            event_id=event.event_id,
+            topic=event.topic,
+            headers=headers,
+            sequence=None if sequence is None else int(sequence),
+        )
+
+    def _engines(self) -> tuple[AsyncEngine, AsyncEngine]:
+        # No pool: nothing stays connected between deliveries, so a harness needs no
+        # closing and works under any event loop a test runner gives each test.
+        if self._engine is None or self._autocommit is None:
+            self._engine = async_engine(self.settings, poolclass=NullPool)
+            self._autocommit = async_engine(
+                self.settings, poolclass=NullPool, isolation_level="AUTOCOMMIT"
+            )
+        return self._engine, self._autocommit
+
+    def _processor(self, topic: str) -> PartitionProcessor:
+        processor = self._processors.get(topic)
+        if processor is None:
+            config = self.settings.consumer
+            processor = self._processors[topic] = PartitionProcessor(
+                app=self.app,
+                config=config,
+                store=self._store,
+                sessions=async_sessionmaker(self._engines()[0], expire_on_commit=False),
+                autocommit=self._engines()[1],
+                sink=self._sink,
+                # No waiting between attempts: the count and the classification are real.
+                policy=RetryPolicy(0.001, 0.001, config.max_attempts, rng=lambda a, b: 0.0),
+                metrics=self.metrics,
+                topic=topic,
+                partition=self.partition,
+            )
+        return processor
+
+    async def status(self, event: InboxEvent | str) -> str | None:
+        """The event's inbox row status for this consumer (None if it has none)."""
+        event_id = event if isinstance(event, str) else event.event_id
+        async with AsyncSession(self._engines()[0]) as session:
+            return await self._store.inbox_status(session, self.app.name, event_id)
+
+
+def _outcome(counts: Mapping[str, int]) -> Outcome:
+    for name, outcome in (
+        ("dead_lettered", "dead_lettered"),
+        ("duplicates", "duplicate"),
+        ("skipped", "skipped"),
+        ("stale", "stale"),
+    ):
+        if counts[name]:
+            return outcome  # type: ignore[return-value]
+    return "handled"
+
+
+def _runs(counts: Mapping[str, int], dead: DeadLetterRecord | None) -> int:
+    if dead is not None:
+        return dead.attempts
+    if counts["processed"]:
+        return counts["retries"] + 1
+    return 0

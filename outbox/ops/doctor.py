@@ -1,0 +1,415 @@
+"""Deployment checks behind ``outbox doctor``: each finding says what is wrong and what to do.
+
+Checks: migrations at head; every declared index present and valid (the claim index is an
+error, the others warnings) and the claim index not bloated; autovacuum storage parameters
+on the hot tables; sessions idle in a transaction that hold back the xmin horizon; dead
+tuple ratio of the framework's tables; Kafka reachable and every topic with pending rows
+(or named by the caller) present with the expected partition count; relay heartbeats and
+lane coverage; clock skew between this host and the database.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from datetime import datetime
+from typing import Any, Literal
+
+from sqlalchemy import Index, Table
+from sqlalchemy.dialects import postgresql
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+from sqlalchemy.schema import CreateIndex
+
+from outbox import migrate
+from outbox.db import translated_errors
+from outbox.errors import OutboxError
+from outbox.ops.kafka_probe import KafkaProbe
+from outbox.ops.lag import default_stale_after
+from outbox.ops.store import OpsStore
+from outbox.settings import OutboxSettings
+from outbox.tables import Tables, build_tables
+
+Level = Literal["ok", "warn", "error"]
+_DIALECT = postgresql.dialect()  # type: ignore[no-untyped-call]
+# A claim-index entry (lane smallint + id bigint + tuple header) is ~24 bytes; allow a
+# generous factor before calling the index bloated, and ignore small indexes entirely.
+_CLAIM_ENTRY_BYTES = 24
+_CLAIM_BLOAT_FACTOR = 20
+_CLAIM_BLOAT_MIN_BYTES = 64 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Finding:
+    check: str
+    level: Level
+    what: str
+    action: str | None = None
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class DoctorOptions:
+    topics: Mapping[str, int | None] = field(default_factory=dict)  # name -> partitions
+    idle_seconds: float = 60.0
+    stale_relay_seconds: float | None = None  # default: five relay heartbeat periods
+    skew_warn_seconds: float = 1.0
+    dead_ratio: float = 0.2
+    dead_min_rows: int = 10_000
+    kafka: bool = True
+
+
+def exit_code(findings: list[Finding], strict: bool = False) -> int:
+    """1 when any check failed; with ``strict``, 2 when only warnings; else 0."""
+    levels = {f.level for f in findings}
+    if "error" in levels:
+        return 1
+    if strict and "warn" in levels:
+        return 2
+    return 0
+
+
+def to_dicts(findings: list[Finding]) -> list[dict[str, Any]]:
+    return [asdict(f) for f in findings]
+
+
+def _qualified(tables: Tables, name: str) -> str:
+    prep = _DIALECT.identifier_preparer
+    return f"{prep.quote_schema(tables.schema or 'public')}.{prep.quote(name)}"
+
+
+def _create_index_sql(index: Index) -> str:
+    ddl = str(CreateIndex(index).compile(dialect=_DIALECT)).strip()
+    return ddl.replace("CREATE INDEX ", "CREATE INDEX CONCURRENTLY ", 1) + ";"
+
+
+def _hot_tables(tables: Tables) -> list[Table]:
+    return [t for t in tables.metadata.sorted_tables if t.info.get("storage")]
+
+
+class _Doctor:
+    def __init__(self, settings: OutboxSettings, options: DoctorOptions) -> None:
+        self.settings = settings
+        self.options = options
+        self.tables = build_tables(settings)
+        self.store = OpsStore(self.tables)
+        self.schema = settings.db_schema
+        self.findings: list[Finding] = []
+
+    def add(
+        self, check: str, level: Level, what: str, action: str | None = None, **details: Any
+    ) -> None:
+        self.findings.append(Finding(check, level, what, action, details))
+
+    # -- checks ---------------------------------------------------------------------------
+    async def migrations(self) -> bool:
+        current = await asyncio.to_thread(migrate.current, self.settings)
+        head = migrate.head()
+        if current is None:
+            self.add(
+                "migrations",
+                "error",
+                f"no outbox tables in schema {self.schema!r}",
+                "run `outbox db upgrade`",
+            )
+            return False
+        if current != head:
+            self.add(
+                "migrations",
+                "error",
+                f"database at revision {current}, this package expects {head}",
+                "run `outbox db upgrade` (or upgrade the package if the database is newer)",
+                current=current,
+                head=head,
+            )
+        else:
+            self.add("migrations", "ok", f"at head revision {head}")
+        return True
+
+    async def indexes(self, conn: AsyncConnection, pending: int) -> None:
+        declared = {i.name: i for t in self.tables.metadata.sorted_tables for i in t.indexes}
+        claim = f"{self.tables.events.name}_claim_idx"
+        rows = await conn.execute(
+            self.store.indexes, {"schema": self.schema, "names": list(declared)}
+        )
+        found = {r.name: r for r in rows}
+        problems = False
+        for name, index in sorted(declared.items(), key=lambda kv: str(kv[0])):
+            level: Level = "error" if name == claim else "warn"
+            why = "relays fall back to scanning the whole table" if name == claim else ""
+            row = found.get(name)
+            qualified = _qualified(self.tables, str(name))
+            if row is None:
+                problems = True
+                self.add(
+                    "index",
+                    level,
+                    f"index {name} is missing" + (f": {why}" if why else ""),
+                    f"create it: {_create_index_sql(index)}",
+                    index=name,
+                )
+            elif not (row.valid and row.ready):
+                problems = True
+                self.add(
+                    "index",
+                    level,
+                    f"index {name} is INVALID (a failed CREATE INDEX CONCURRENTLY?)",
+                    f"rebuild it: REINDEX INDEX CONCURRENTLY {qualified};",
+                    index=name,
+                )
+            elif name == claim:
+                expected = max(pending, 1) * _CLAIM_ENTRY_BYTES * _CLAIM_BLOAT_FACTOR
+                if row.bytes > max(expected, _CLAIM_BLOAT_MIN_BYTES):
+                    problems = True
+                    self.add(
+                        "index",
+                        "warn",
+                        f"claim index is {row.bytes // 1_048_576} MiB for {pending} pending "
+                        "rows (bloated: every claim walks its empty pages)",
+                        f"REINDEX INDEX CONCURRENTLY {qualified};",
+                        index=name,
+                        bytes=int(row.bytes),
+                        pending=pending,
+                    )
+        if not problems:
+            self.add("index", "ok", f"{len(declared)} indexes present and valid")
+
+    async def storage(self, conn: AsyncConnection) -> None:
+        hot = _hot_tables(self.tables)
+        rows = await conn.execute(
+            self.store.reloptions, {"schema": self.schema, "names": [t.name for t in hot]}
+        )
+        actual = {r.name: dict(o.split("=", 1) for o in r.options) for r in rows}
+        for table in hot:
+            want: dict[str, str] = table.info["storage"]
+            have = actual.get(table.name, {})
+            wrong = {k: v for k, v in want.items() if k not in have or float(have[k]) != float(v)}
+            if wrong:
+                settings_sql = ", ".join(f"{k} = {v}" for k, v in wrong.items())
+                current = ", ".join(f"{k}={have.get(k, 'default')}" for k in wrong)
+                self.add(
+                    "autovacuum",
+                    "warn",
+                    f"{table.name}: storage parameters differ from the recommended ({current})",
+                    f"ALTER TABLE {_qualified(self.tables, table.name)} SET ({settings_sql});",
+                    table=table.name,
+                    expected=wrong,
+                )
+            else:
+                self.add("autovacuum", "ok", f"{table.name}: hot-table vacuum settings in place")
+
+    async def idle_transactions(self, conn: AsyncConnection) -> None:
+        threshold = self.options.idle_seconds
+        rows = list(await conn.execute(self.store.idle_in_transaction, {"threshold": threshold}))
+        for r in rows:
+            holds = bool(r.holds_horizon)
+            self.add(
+                "idle_in_transaction",
+                "error" if holds else "warn",
+                f"session pid {r.pid} ({r.user}@{r.client or 'local'}, "
+                f"application {r.application or '-'}) idle in transaction for "
+                f"{r.idle_seconds:.0f}s"
+                + (
+                    f", holding back the xmin horizon ({r.xid_age} xids): VACUUM cannot "
+                    "remove dead outbox rows and claim scans slow down"
+                    if holds
+                    else ""
+                ),
+                f"end it with SELECT pg_terminate_backend({r.pid}); fix the client that leaves "
+                "transactions open and set idle_in_transaction_session_timeout",
+                pid=int(r.pid),
+                idle_seconds=float(r.idle_seconds),
+                holds_horizon=holds,
+            )
+        if not rows:
+            self.add(
+                "idle_in_transaction", "ok", f"no session idle in a transaction > {threshold:g}s"
+            )
+
+    async def dead_tuples(self, conn: AsyncConnection) -> None:
+        names = [t.name for t in self.tables.metadata.sorted_tables]
+        rows = await conn.execute(self.store.table_stats, {"schema": self.schema, "names": names})
+        bloated = False
+        for r in rows:
+            total = int(r.live) + int(r.dead)
+            ratio = int(r.dead) / total if total else 0.0
+            if int(r.dead) >= self.options.dead_min_rows and ratio >= self.options.dead_ratio:
+                bloated = True
+                last = r.last_vacuum.isoformat() if r.last_vacuum else "never"
+                self.add(
+                    "bloat",
+                    "warn",
+                    f"{r.name}: {r.dead} dead vs {r.live} live tuples ({ratio:.0%}); last "
+                    f"vacuum {last}",
+                    f"VACUUM (ANALYZE) {_qualified(self.tables, r.name)}; if it keeps coming "
+                    "back, look for sessions holding the xmin horizon and check autovacuum",
+                    table=r.name,
+                    dead=int(r.dead),
+                    live=int(r.live),
+                    table_bytes=int(r.table_bytes),
+                    index_bytes=int(r.index_bytes),
+                )
+        if not bloated:
+            self.add("bloat", "ok", "dead tuple ratios are fine")
+
+    async def relays(self, conn: AsyncConnection, pending: int) -> None:
+        stale_after = self.options.stale_relay_seconds or default_stale_after(self.settings)
+        owned: set[int] = set()
+        live = 0
+        for r in await conn.execute(self.store.relays):
+            age = float(r.heartbeat_age)
+            if age <= stale_after:
+                live += 1
+                owned.update(r.lanes or [])
+                continue
+            self.add(
+                "relays",
+                "warn",
+                f"relay {r.relay_id} ({r.hostname} pid {r.pid}) has not sent a heartbeat for "
+                f"{age:.0f}s; it claims lanes {sorted(r.lanes or [])}",
+                "if that process is gone, its lanes are free once its database session "
+                "ended; delete its row from the relays table (or restart it) to tidy up",
+                relay_id=r.relay_id,
+                heartbeat_age_seconds=age,
+            )
+        unowned = [lane for lane in range(self.settings.lanes) if lane not in owned]
+        if live == 0:
+            self.add(
+                "relays",
+                "error" if pending else "warn",
+                f"no live relay ({pending} events pending)",
+                "start one: `outbox relay`",
+            )
+        elif unowned:
+            self.add(
+                "relays",
+                "warn",
+                f"{len(unowned)} of {self.settings.lanes} lanes have no live owner",
+                "wait a few seconds for takeover; if it persists, check relay logs",
+                unowned=unowned,
+            )
+        else:
+            self.add("relays", "ok", f"{live} live relay(s) own all {self.settings.lanes} lanes")
+
+    async def clock(self, conn: AsyncConnection) -> None:
+        before = time.time()
+        db_now: datetime = (await conn.execute(self.store.clock)).scalar_one()
+        after = time.time()
+        skew = db_now.timestamp() - (before + after) / 2
+        precision = (after - before) / 2
+        if abs(skew) - precision > self.options.skew_warn_seconds:
+            self.add(
+                "clock",
+                "warn",
+                f"this host's clock is {skew:+.2f}s off the database's",
+                "sync both with NTP; ages and retention use the database clock, but logs, "
+                "timeouts and anything an application stamps itself will disagree",
+                skew_seconds=skew,
+            )
+        else:
+            self.add("clock", "ok", f"clock skew {skew:+.3f}s (±{precision:.3f}s)")
+
+    async def tls(self, conn: AsyncConnection) -> None:
+        """Whether the database connection is encrypted (as PostgreSQL sees it)."""
+        row = (await conn.execute(self.store.own_tls)).one_or_none()
+        url = self.settings.sqlalchemy_url
+        sslmode = url.query.get("sslmode", "prefer (libpq default)")
+        if row is not None and row.ssl:
+            self.add(
+                "tls",
+                "ok",
+                f"database connection uses TLS ({row.version}, sslmode {sslmode})",
+                service="database",
+                tls=True,
+            )
+            return
+        local = url.host in (None, "", "localhost", "127.0.0.1", "::1")
+        self.add(
+            "tls",
+            "ok" if local else "warn",
+            f"database connection is not encrypted (sslmode {sslmode})",
+            None if local else "add sslmode=verify-full&sslrootcert=CA.pem to OUTBOX_DATABASE_URL",
+            service="database",
+            tls=False,
+        )
+
+    def kafka_tls(self) -> None:
+        """Kafka's protection is what the settings ask for: a client that connected at all
+        did so with that protocol (the broker refuses anything else on that listener)."""
+        k = self.settings.kafka
+        how = k.security_protocol + (f" ({k.sasl_mechanism})" if k.uses_sasl else "")
+        self.add(
+            "tls",
+            "ok",
+            f"Kafka connections use {how}" + ("" if k.uses_tls else ": not encrypted"),
+            service="kafka",
+            tls=k.uses_tls,
+        )
+
+    async def topics(self, conn: AsyncConnection) -> None:
+        wanted: dict[str, int | None] = {
+            t: None for t in (await conn.execute(self.store.pending_topics)).scalars()
+        }
+        wanted.update(self.options.topics)
+        bootstrap = self.settings.kafka_bootstrap_servers
+        try:
+            async with KafkaProbe(self.settings) as probe:
+                counts = await probe.partitions(wanted)
+        except OutboxError as exc:
+            self.add("kafka", "error", str(exc), "check the broker and kafka_bootstrap_servers")
+            return
+        self.add("kafka", "ok", f"Kafka at {bootstrap} reachable")
+        self.kafka_tls()
+        for topic, expected in sorted(wanted.items()):
+            have = counts.get(topic)
+            if have is None:
+                self.add(
+                    "topic",
+                    "error",
+                    f"topic {topic!r} does not exist"
+                    + (" but has pending outbox rows" if expected is None else ""),
+                    "create it: outbox topics ensure --topic "
+                    + (f"{topic}:{expected}" if expected else topic)
+                    + " (partitions default to OUTBOX_TOPICS__PARTITIONS, replication to "
+                    "OUTBOX_TOPICS__REPLICATION_FACTOR capped by the broker count)",
+                    topic=topic,
+                )
+            elif expected is not None and have != expected:
+                self.add(
+                    "topic",
+                    "warn",
+                    f"topic {topic!r} has {have} partitions, expected {expected}",
+                    "adding partitions changes which partition a key maps to (per-key order "
+                    "breaks across the change); fix the expectation or plan a migration",
+                    topic=topic,
+                    partitions=have,
+                    expected=expected,
+                )
+            else:
+                self.add("topic", "ok", f"topic {topic!r}: {have} partitions", topic=topic)
+
+
+async def diagnose(
+    engine: AsyncEngine, settings: OutboxSettings, options: DoctorOptions | None = None
+) -> list[Finding]:
+    """Run every check; failures to reach a service become findings, not exceptions."""
+    doctor = _Doctor(settings, options or DoctorOptions())
+    try:
+        have_tables = await doctor.migrations()
+        with translated_errors():
+            async with engine.connect() as conn:
+                await doctor.clock(conn)
+                await doctor.tls(conn)
+                await doctor.idle_transactions(conn)
+                if have_tables:
+                    pending = int((await conn.execute(doctor.store.pending_total)).scalar_one())
+                    await doctor.indexes(conn, pending)
+                    await doctor.storage(conn)
+                    await doctor.dead_tuples(conn)
+                    await doctor.relays(conn, pending)
+                    if doctor.options.kafka:
+                        await doctor.topics(conn)
+    except OutboxError as exc:
+        doctor.add("database", "error", str(exc), "check the database and database_url")
+    return doctor.findings

@@ -1,0 +1,376 @@
+"""Outbox and consumer lag: the numbers behind ``outbox lag``.
+
+What each figure means, and where it comes from:
+
+* ``pending`` - outbox rows not yet published (``published_at IS NULL``), per topic;
+  ``due`` - those of them whose ``available_at`` has passed (the rest were delayed on
+  purpose by the producer).
+* ``oldest_pending_age_seconds`` - ``now() - min(available_at)`` over the due rows, on the
+  database clock (so app-server clock skew cannot distort it). For an event published
+  without a delay, ``available_at`` equals ``created_at``.
+* ``failed`` - rows the relay moved to the failed table (Kafka rejected them permanently).
+* ``publish_rate_per_second`` - in keep-mode (``relay.keep_published_hours > 0``) the rows
+  marked published during the last 60 s, divided by 60: exact. In delete-mode published
+  rows are gone, so the rate is the growth of the topic's Kafka end offsets between two
+  samples (up to 60 s apart while watching; ``rate_sample_seconds`` apart for a one-shot
+  look). That counts every producer writing to the topic, not only the relay; the
+  ``rate_source`` field says which method produced the figure.
+* consumer groups - per partition, Kafka end offset minus the group's committed offset (a
+  partition the group never committed counts everything still retained); dead letters
+  from the inbox's dead-letter table. Without an answer from Kafka (``--no-kafka``, Kafka
+  unreachable) a group's lag is unknown (``None``), never 0.
+* relays - rows of the relays table; a relay is alive when its heartbeat is younger than
+  ``stale_after`` seconds (default: five heartbeat periods). ``unowned_lanes`` lists lanes
+  no live relay owns: their rows are not being published.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from datetime import datetime
+from typing import Any, Literal
+
+from aiokafka import TopicPartition
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+
+from outbox.db import translated_errors
+from outbox.errors import OutboxError
+from outbox.ops.kafka_probe import KafkaProbe
+from outbox.ops.store import OpsStore
+from outbox.settings import OutboxSettings
+from outbox.tables import build_tables
+
+RATE_WINDOW_SECONDS = 60.0
+
+
+def default_stale_after(settings: OutboxSettings) -> float:
+    """Heartbeat age after which a relay counts as gone: five missed heartbeats."""
+    return max(5.0, 5 * settings.relay.heartbeat_seconds)
+
+
+@dataclass
+class TopicLag:
+    topic: str
+    pending: int = 0
+    due: int = 0
+    oldest_pending_age_seconds: float | None = None
+    failed: int = 0
+    publish_rate_per_second: float | None = None
+    rate_source: str | None = None
+    partitions: int | None = None  # from Kafka; None when unknown
+    exists: bool | None = None  # in Kafka; None when Kafka was not asked or unreachable
+
+
+@dataclass
+class PartitionLag:
+    topic: str
+    partition: int
+    end_offset: int
+    committed: int | None  # None: the group never committed this partition
+    lag: int
+
+
+@dataclass
+class GroupLag:
+    group: str
+    partitions: list[PartitionLag] = field(default_factory=list)
+    dead_letters: int = 0
+    dead_letters_not_replayed: int = 0
+    dead_letters_last_hour: int = 0
+    error: str | None = None
+    # False until Kafka answered for this group: with Kafka not asked (--no-kafka) or
+    # unreachable, the lag is unknown — never reported as 0.
+    measured: bool = True
+
+    @property
+    def total_lag(self) -> int | None:
+        return sum(p.lag for p in self.partitions) if self.measured else None
+
+
+@dataclass
+class RelayInfo:
+    relay_id: str
+    hostname: str
+    pid: int
+    started_at: datetime
+    heartbeat_age_seconds: float
+    lanes: list[int]
+    alive: bool
+
+
+@dataclass
+class LagReport:
+    taken_at: datetime  # database clock
+    mode: Literal["delete", "keep"]
+    lanes: int
+    topics: list[TopicLag] = field(default_factory=list)
+    groups: list[GroupLag] = field(default_factory=list)
+    relays: list[RelayInfo] = field(default_factory=list)
+    kafka_error: str | None = None
+
+    @property
+    def pending(self) -> int:
+        return sum(t.pending for t in self.topics)
+
+    @property
+    def failed(self) -> int:
+        return sum(t.failed for t in self.topics)
+
+    @property
+    def oldest_pending_age_seconds(self) -> float | None:
+        ages = [t.oldest_pending_age_seconds for t in self.topics]
+        return max((a for a in ages if a is not None), default=None)
+
+    @property
+    def live_relays(self) -> list[RelayInfo]:
+        return [r for r in self.relays if r.alive]
+
+    @property
+    def unowned_lanes(self) -> list[int]:
+        owned = {lane for r in self.live_relays for lane in r.lanes}
+        return [lane for lane in range(self.lanes) if lane not in owned]
+
+    @property
+    def consumer_lag(self) -> int | None:
+        """The largest group lag; None when any group's lag is unknown."""
+        lags = [g.total_lag for g in self.groups]
+        if any(lag is None for lag in lags):
+            return None
+        return max((lag for lag in lags if lag is not None), default=0)
+
+    @property
+    def kafka_failed(self) -> bool:
+        """Kafka was asked and did not answer (for the whole report or for a group)."""
+        return self.kafka_error is not None or any(g.error for g in self.groups)
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["taken_at"] = self.taken_at.isoformat()
+        for relay in data["relays"]:
+            relay["started_at"] = relay["started_at"].isoformat()
+        for group, g in zip(data["groups"], self.groups, strict=True):
+            group["total_lag"] = g.total_lag
+        data["totals"] = {
+            "pending": self.pending,
+            "failed": self.failed,
+            "oldest_pending_age_seconds": self.oldest_pending_age_seconds,
+            "live_relays": len(self.live_relays),
+            "unowned_lanes": len(self.unowned_lanes),
+            "max_consumer_lag": self.consumer_lag,
+        }
+        return data
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    """Limits for probe use; a None limit is not checked."""
+
+    max_age_seconds: float | None = None
+    max_pending: int | None = None
+    max_consumer_lag: int | None = None
+
+    def breaches(self, report: LagReport) -> list[str]:
+        found = []
+        age = report.oldest_pending_age_seconds
+        if self.max_age_seconds is not None and age is not None and age > self.max_age_seconds:
+            found.append(f"oldest pending event is {age:.1f}s old (limit {self.max_age_seconds}s)")
+        if self.max_pending is not None and report.pending > self.max_pending:
+            found.append(f"{report.pending} events pending (limit {self.max_pending})")
+        if self.max_consumer_lag is not None:
+            for g in report.groups:
+                lag = g.total_lag
+                if lag is None:
+                    found.append(
+                        f"consumer group {g.group}: lag unknown (limit {self.max_consumer_lag})"
+                    )
+                elif lag > self.max_consumer_lag:
+                    found.append(
+                        f"consumer group {g.group} lags {lag} records "
+                        f"(limit {self.max_consumer_lag})"
+                    )
+        return found
+
+
+class RateTracker:
+    """Samples of each topic's summed Kafka end offsets, kept for ``RATE_WINDOW_SECONDS``.
+
+    One tracker lives across the refreshes of ``outbox lag --watch``, so the rate there
+    covers up to the last minute.
+    """
+
+    def __init__(self) -> None:
+        self._samples: deque[tuple[float, dict[str, int]]] = deque()
+
+    def add(self, totals: dict[str, int], at: float | None = None) -> None:
+        now = time.monotonic() if at is None else at
+        self._samples.append((now, totals))
+        while len(self._samples) > 2 and now - self._samples[1][0] >= RATE_WINDOW_SECONDS:
+            self._samples.popleft()
+
+    @property
+    def has_samples(self) -> bool:
+        return bool(self._samples)
+
+    @property
+    def topics(self) -> set[str]:
+        return {t for _, totals in self._samples for t in totals}
+
+    def rate(self, topic: str) -> tuple[float, float] | None:
+        """(records per second, seconds covered) for ``topic``, or None without two samples."""
+        having = [(at, totals[topic]) for at, totals in self._samples if topic in totals]
+        if len(having) < 2:
+            return None
+        (t0, v0), (t1, v1) = having[0], having[-1]
+        if t1 <= t0:
+            return None
+        return max(0, v1 - v0) / (t1 - t0), t1 - t0
+
+
+def _end_totals(offsets: dict[TopicPartition, int]) -> dict[str, int]:
+    totals: dict[str, int] = {}
+    for tp, end in offsets.items():
+        totals[tp.topic] = totals.get(tp.topic, 0) + end
+    return totals
+
+
+async def _database_part(
+    conn: AsyncConnection,
+    store: OpsStore,
+    report: LagReport,
+    stale_after: float,
+    discover_groups: bool,
+) -> tuple[dict[str, TopicLag], list[str], dict[str, Any]]:
+    """Outbox topics, relays (into ``report``), consumer names and dead-letter counts."""
+    topics: dict[str, TopicLag] = {}
+
+    def topic(name: str) -> TopicLag:
+        return topics.setdefault(name, TopicLag(name))
+
+    for row in await conn.execute(store.pending_by_topic):
+        t = topic(row.topic)
+        t.pending, t.due = int(row.pending), int(row.due)
+        t.oldest_pending_age_seconds = None if row.oldest_age is None else float(row.oldest_age)
+    for row in await conn.execute(store.failed_by_topic):
+        topic(row.topic).failed = int(row.failed)
+    if report.mode == "keep":
+        for row in await conn.execute(store.published_last_minute):
+            t = topic(row.topic)
+            t.publish_rate_per_second = int(row.published) / RATE_WINDOW_SECONDS
+            t.rate_source = "db:published_at/60s"
+    for row in await conn.execute(store.relays):
+        age = float(row.heartbeat_age)
+        report.relays.append(
+            RelayInfo(
+                relay_id=row.relay_id,
+                hostname=row.hostname,
+                pid=row.pid,
+                started_at=row.started_at,
+                heartbeat_age_seconds=age,
+                lanes=sorted(row.lanes or []),
+                alive=age <= stale_after,
+            )
+        )
+    consumers: list[str] = []
+    if discover_groups:
+        consumers = list((await conn.execute(store.consumer_names)).scalars())
+    dead = {row.consumer: row for row in await conn.execute(store.dead_letters_by_consumer)}
+    return topics, consumers, dead
+
+
+async def collect(
+    engine: AsyncEngine,
+    settings: OutboxSettings,
+    *,
+    groups: Sequence[str] = (),
+    discover_groups: bool = True,
+    topics: Iterable[str] = (),
+    stale_after: float | None = None,
+    kafka: bool = True,
+    rates: RateTracker | None = None,
+    rate_sample_seconds: float = 0.0,
+) -> LagReport:
+    """Take one lag snapshot; Kafka trouble is reported in ``kafka_error``, not raised."""
+    store = OpsStore(build_tables(settings))
+    stale_after = default_stale_after(settings) if stale_after is None else stale_after
+    with translated_errors():
+        async with engine.connect() as conn:
+            taken_at: datetime = (await conn.execute(store.db_now())).scalar_one()
+            report = LagReport(
+                taken_at=taken_at,
+                mode="keep" if settings.relay.keep_published_hours > 0 else "delete",
+                lanes=settings.lanes,
+            )
+            by_topic, consumers, dead = await _database_part(
+                conn, store, report, stale_after, discover_groups
+            )
+    for name in topics:
+        by_topic.setdefault(name, TopicLag(name))
+    group_names = sorted(set(groups) | set(consumers) | set(dead))
+    report.groups = [GroupLag(name, measured=False) for name in group_names]
+    for g in report.groups:
+        row = dead.get(g.group)
+        if row is not None:
+            g.dead_letters = int(row.total)
+            g.dead_letters_not_replayed = int(row.not_replayed)
+            g.dead_letters_last_hour = int(row.last_hour)
+    if kafka:
+        if rates is not None and report.mode == "delete":
+            for name in rates.topics:
+                by_topic.setdefault(name, TopicLag(name))
+        try:
+            await _kafka_part(settings, report, by_topic, rates, rate_sample_seconds)
+        except OutboxError as exc:
+            report.kafka_error = str(exc)
+    report.topics = sorted(by_topic.values(), key=lambda t: t.topic)
+    return report
+
+
+async def _kafka_part(
+    settings: OutboxSettings,
+    report: LagReport,
+    by_topic: dict[str, TopicLag],
+    rates: RateTracker | None,
+    rate_sample_seconds: float,
+) -> None:
+    async with KafkaProbe(settings) as probe:
+        counts = await probe.partitions(by_topic)
+        for name, n in counts.items():
+            by_topic[name].partitions = n
+            by_topic[name].exists = n is not None
+        if rates is not None and report.mode == "delete":
+            tps = [TopicPartition(t, p) for t, n in counts.items() if n for p in range(n)]
+            if not rates.has_samples and rate_sample_seconds > 0:
+                rates.add(_end_totals(await probe.end_offsets(tps)))
+                await asyncio.sleep(rate_sample_seconds)
+            rates.add(_end_totals(await probe.end_offsets(tps)))
+            for name, t in by_topic.items():
+                measured = rates.rate(name)
+                if measured is not None:
+                    t.publish_rate_per_second = measured[0]
+                    t.rate_source = f"kafka:end_offsets/{measured[1]:.0f}s"
+        for g in report.groups:
+            try:
+                g.partitions = await _group_lag(probe, g.group)
+                g.measured = True
+            except OutboxError as exc:
+                g.error = str(exc)
+
+
+async def _group_lag(probe: KafkaProbe, group: str) -> list[PartitionLag]:
+    committed = await probe.committed(group)
+    counts = await probe.partitions({tp.topic for tp in committed})
+    tps = [TopicPartition(t, p) for t, n in counts.items() if n for p in range(n)]
+    ends = await probe.end_offsets(tps)
+    never = [tp for tp in tps if tp not in committed]
+    starts = await probe.beginning_offsets(never)
+    lags = []
+    for tp in sorted(tps):
+        end = ends.get(tp, 0)
+        done = committed.get(tp)
+        base = done if done is not None else starts.get(tp, 0)
+        lags.append(PartitionLag(tp.topic, tp.partition, end, done, max(0, end - base)))
+    return lags

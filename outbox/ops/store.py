@@ -1,0 +1,312 @@
+"""The operator tools' SQL (``outbox lag``, ``doctor``, ``cleanup``), in one place.
+
+Everything here is read-only except the cleanup deletes, and those are built so that no
+statement ever locks a whole table: each deletes at most one bounded batch of rows it could
+lock right away (``FOR UPDATE SKIP LOCKED``), in its own short transaction, so relays,
+consumers and producers never wait on a cleanup run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
+
+from sqlalchemy import (
+    ColumnElement,
+    Delete,
+    Float,
+    Select,
+    Table,
+    TextClause,
+    bindparam,
+    delete,
+    func,
+    literal_column,
+    select,
+    text,
+    union,
+)
+
+from outbox.tables import Tables
+
+# pg_catalog queries: only bind parameters vary (schema and relation names are values here,
+# compared against catalog columns, never spliced into SQL).
+_INDEXES = text(
+    """
+    SELECT c.relname AS name, i.indisvalid AS valid, i.indisready AS ready,
+           pg_relation_size(c.oid) AS bytes
+    FROM pg_index i
+    JOIN pg_class c ON c.oid = i.indexrelid
+    JOIN pg_namespace n ON n.oid = c.relnamespace
+    WHERE n.nspname = :schema AND c.relname = ANY(:names)
+    """
+)
+
+_RELOPTIONS = text(
+    """
+    SELECT c.relname AS name, coalesce(c.reloptions, '{}') AS options
+    FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+    WHERE n.nspname = :schema AND c.relname = ANY(:names) AND c.relkind IN ('r', 'p')
+    """
+)
+
+_TABLE_STATS = text(
+    """
+    SELECT relname AS name, n_live_tup AS live, n_dead_tup AS dead,
+           greatest(last_autovacuum, last_vacuum) AS last_vacuum,
+           pg_relation_size(relid) AS table_bytes, pg_indexes_size(relid) AS index_bytes
+    FROM pg_stat_user_tables
+    WHERE schemaname = :schema AND relname = ANY(:names)
+    """
+)
+
+# Sessions of this database idle inside a transaction for longer than the threshold. One
+# holding an xid or a snapshot pins the xmin horizon: VACUUM cannot remove the dead rows
+# the relay leaves behind, and every SKIP LOCKED claim scan walks over them. The query text
+# is not returned; it may carry literals nobody should see in a report.
+_IDLE_IN_TRANSACTION = text(
+    """
+    SELECT pid, usename AS "user", application_name AS application,
+           host(client_addr) AS client, state,
+           extract(epoch FROM now() - state_change)::float8 AS idle_seconds,
+           extract(epoch FROM now() - xact_start)::float8 AS transaction_seconds,
+           backend_xid IS NOT NULL OR backend_xmin IS NOT NULL AS holds_horizon,
+           age(coalesce(backend_xid, backend_xmin)) AS xid_age
+    FROM pg_stat_activity
+    WHERE datname = current_database()
+      AND pid <> pg_backend_pid()
+      AND state LIKE 'idle in transaction%'
+      AND now() - state_change > make_interval(secs => :threshold)
+    ORDER BY state_change
+    """
+)
+
+_CLOCK = text("SELECT clock_timestamp() AS db_now")
+
+# TLS of this very connection (a role needs no privilege to see its own backend's row).
+_OWN_TLS = text(
+    "SELECT ssl, version, cipher FROM pg_catalog.pg_stat_ssl WHERE pid = pg_backend_pid()"
+)
+
+
+@dataclass(frozen=True)
+class OpsStore:
+    tables: Tables
+
+    # -- lag ----------------------------------------------------------------------------
+    def db_now(self) -> Select[Any]:
+        return select(func.now().label("now"))
+
+    @cached_property
+    def pending_by_topic(self) -> Select[Any]:
+        """Per topic: pending rows, how many are due, age of the oldest due one (seconds).
+
+        Age is measured from ``available_at`` (equal to ``created_at`` unless the producer
+        asked for a delay), so a deliberately delayed event does not look like lag.
+        """
+        e = self.tables.events
+        due = e.c.available_at <= func.now()
+        return (
+            select(
+                e.c.topic,
+                func.count().label("pending"),
+                func.count().filter(due).label("due"),
+                func.extract("epoch", func.now() - func.min(e.c.available_at).filter(due)).label(
+                    "oldest_age"
+                ),
+            )
+            .where(e.c.published_at.is_(None))
+            .group_by(e.c.topic)
+        )
+
+    @cached_property
+    def published_last_minute(self) -> Select[Any]:
+        """Keep-mode only: rows the relay marked published during the last 60 s, per topic."""
+        e = self.tables.events
+        return (
+            select(e.c.topic, func.count().label("published"))
+            .where(e.c.published_at >= func.now() - literal_column("interval '60 seconds'"))
+            .group_by(e.c.topic)
+        )
+
+    @cached_property
+    def failed_by_topic(self) -> Select[Any]:
+        f = self.tables.failed
+        return select(f.c.topic, func.count().label("failed")).group_by(f.c.topic)
+
+    @cached_property
+    def relays(self) -> Select[Any]:
+        r = self.tables.relays
+        return select(
+            r.c.relay_id,
+            r.c.hostname,
+            r.c.pid,
+            r.c.started_at,
+            func.extract("epoch", func.now() - r.c.heartbeat_at).label("heartbeat_age"),
+            r.c.lanes,
+        ).order_by(r.c.relay_id)
+
+    @cached_property
+    def consumer_names(self) -> Select[Any]:
+        """Every consumer name the inbox tables know.
+
+        The inbox is keyed (consumer, event_id) and can hold millions of rows per consumer,
+        so its distinct names are read with a recursive skip scan over the primary key
+        (one index probe per consumer) instead of a full DISTINCT.
+        """
+        i = self.tables.inbox
+        first = select(func.min(i.c.consumer).label("name")).cte("names", recursive=True)
+        nxt = (
+            select(i.c.consumer)
+            .where(i.c.consumer > first.c.name)
+            .order_by(i.c.consumer)
+            .limit(1)
+            .scalar_subquery()
+        )
+        names = first.union_all(select(nxt).where(first.c.name.is_not(None)))
+        a, d = self.tables.inbox_attempts, self.tables.dead_letters
+        return select(
+            union(
+                select(names.c.name).where(names.c.name.is_not(None)),
+                select(a.c.consumer).distinct(),
+                select(d.c.consumer).distinct(),
+            ).subquery()
+        )
+
+    @cached_property
+    def dead_letters_by_consumer(self) -> Select[Any]:
+        d = self.tables.dead_letters
+        return select(
+            d.c.consumer,
+            func.count().label("total"),
+            func.count().filter(d.c.replayed_at.is_(None)).label("not_replayed"),
+            func.count()
+            .filter(d.c.dead_lettered_at > func.now() - literal_column("interval '1 hour'"))
+            .label("last_hour"),
+        ).group_by(d.c.consumer)
+
+    # -- doctor -------------------------------------------------------------------------
+    indexes: TextClause = _INDEXES
+    reloptions: TextClause = _RELOPTIONS
+    table_stats: TextClause = _TABLE_STATS
+    idle_in_transaction: TextClause = _IDLE_IN_TRANSACTION
+    clock: TextClause = _CLOCK
+    own_tls: TextClause = _OWN_TLS
+
+    @cached_property
+    def pending_topics(self) -> Select[Any]:
+        e = self.tables.events
+        return select(e.c.topic).distinct().where(e.c.published_at.is_(None))
+
+    @cached_property
+    def pending_total(self) -> Select[Any]:
+        e = self.tables.events
+        return select(func.count()).where(e.c.published_at.is_(None))
+
+    # -- cleanup ------------------------------------------------------------------------
+    def cutoff(self) -> Select[Any]:
+        """``now() - :seconds`` on the database clock, fixed once per cleanup run."""
+        return select(
+            func.now() - bindparam("seconds", type_=Float) * literal_column("interval '1 second'")
+        )
+
+    @cached_property
+    def events_window(self) -> Select[Any]:
+        """The next ``:scan`` ids after ``:after`` (primary-key order) and whether all of
+        them were created after ``:cutoff``.
+
+        Published rows can only have been published after they were created, so once a
+        whole window is younger than the cutoff nothing further along can be due; the walk
+        stops there instead of scanning the retained (young) part of the table.
+        """
+        e = self.tables.events
+        window = (
+            select(e.c.id, e.c.created_at)
+            .where(e.c.id > bindparam("after"))
+            .order_by(e.c.id)
+            .limit(bindparam("scan"))
+            .subquery()
+        )
+        return select(
+            func.max(window.c.id).label("hi"),
+            func.count().label("n"),
+            func.bool_and(window.c.created_at >= bindparam("cutoff")).label("all_young"),
+        )
+
+    @cached_property
+    def delete_published(self) -> Delete:
+        """Delete the published rows older than ``:cutoff`` with ids in (``:after``, ``:hi``]."""
+        e = self.tables.events
+        doomed = (
+            select(e.c.id)
+            .where(
+                e.c.id > bindparam("after"),
+                e.c.id <= bindparam("hi"),
+                e.c.published_at < bindparam("cutoff"),
+            )
+            .with_for_update(skip_locked=True)
+        )
+        return delete(e).where(e.c.id.in_(doomed))
+
+    @cached_property
+    def count_published(self) -> Select[Any]:
+        e = self.tables.events
+        return select(func.count()).where(e.c.published_at < bindparam("cutoff"))
+
+    def _ctid_batch(self, table: Table, due: ColumnElement[bool]) -> Delete:
+        # ctid = ANY(ARRAY(subquery)) is planned as a TID scan of exactly the locked rows;
+        # `ctid IN (subquery)` can turn into a hash join over the whole table.
+        ctid: ColumnElement[Any] = literal_column("ctid")
+        batch = (
+            select(ctid)
+            .select_from(table)
+            .where(due)
+            .limit(bindparam("batch"))
+            .with_for_update(skip_locked=True)
+        )
+        return delete(table).where(ctid == func.any(func.array(batch.scalar_subquery())))
+
+    def _inbox_due(self) -> ColumnElement[bool]:
+        return self.tables.inbox.c.processed_at < bindparam("cutoff")
+
+    def _failed_due(self) -> ColumnElement[bool]:
+        return self.tables.failed.c.failed_at < bindparam("cutoff")
+
+    @cached_property
+    def delete_inbox(self) -> Delete:
+        return self._ctid_batch(self.tables.inbox, self._inbox_due())
+
+    @cached_property
+    def count_inbox(self) -> Select[Any]:
+        return select(func.count()).select_from(self.tables.inbox).where(self._inbox_due())
+
+    @cached_property
+    def delete_failed(self) -> Delete:
+        return self._ctid_batch(self.tables.failed, self._failed_due())
+
+    @cached_property
+    def count_failed(self) -> Select[Any]:
+        return select(func.count()).select_from(self.tables.failed).where(self._failed_due())
+
+    @cached_property
+    def count_idempotency(self) -> Select[Any]:
+        """Expired idempotency records, by the same rule as ``IdempotencyStore.purge_batch``
+        (which does the deleting)."""
+        k = self.tables.idempotency
+        return select(func.count()).select_from(k).where(k.c.expires_at <= func.now())
+
+    def _effects_due(self) -> ColumnElement[bool]:
+        # Only finished records: a pending or unknown one is never forgotten (its effect may
+        # have happened, and forgetting it would let the key be called again).
+        f = self.tables.effects
+        return f.c.state.in_(("done", "failed")) & (f.c.expires_at <= func.now())
+
+    @cached_property
+    def delete_effects(self) -> Delete:
+        """Delete a batch of effect records whose dedupe window has passed."""
+        return self._ctid_batch(self.tables.effects, self._effects_due())
+
+    @cached_property
+    def count_effects(self) -> Select[Any]:
+        return select(func.count()).select_from(self.tables.effects).where(self._effects_due())

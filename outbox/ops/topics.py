@@ -1,0 +1,188 @@
+"""Topic provisioning behind ``outbox topics ensure``: create the topics a deployment needs.
+
+The framework never relies on broker-side auto-creation, so someone has to create the
+relay's topics and each consumer's topics and dead-letter topics. This does it, idempotently:
+
+* a missing topic is created with the partitions asked for (``NAME:PARTITIONS``, else
+  ``topics.partitions``) and a replication factor of ``topics.replication_factor`` capped
+  by the number of brokers (a one-broker development cluster gets 1, never an error);
+* a dead-letter topic gets its source topic's partition count;
+* an existing topic is left alone and reported as ``exists`` — with fewer partitions than
+  explicitly asked for it is reported as ``too_few_partitions`` (a problem, not fixed here:
+  adding partitions moves keys to other partitions, which breaks per-key order across the
+  change; that is an operator's decision).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.errors import KafkaError, TopicAlreadyExistsError, for_code
+
+from outbox import identifiers
+from outbox.daemon import kafka_admin
+from outbox.errors import BrokerUnavailable, ConfigurationError
+from outbox.settings import OutboxSettings
+
+Status = Literal["created", "exists", "too_few_partitions", "failed"]
+_UNKNOWN_TOPIC = 3
+_TIMEOUT_S = 15.0
+
+
+@dataclass(frozen=True)
+class TopicSpec:
+    name: str
+    partitions: int | None = None  # None: the settings' default (or the source's, for a DLQ)
+    dead_letter_of: str | None = None
+
+
+@dataclass(frozen=True)
+class TopicResult:
+    topic: str
+    status: Status
+    partitions: int | None  # what the topic has now (None if it could not be created)
+    asked: int | None  # partitions explicitly asked for
+    replication_factor: int | None
+    detail: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.status in ("created", "exists")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def parse_spec(spec: str) -> TopicSpec:
+    """``orders`` or ``orders:12``."""
+    name, sep, count = spec.strip().partition(":")
+    if sep and not (count.isdigit() and int(count) > 0):
+        raise ConfigurationError(f"topic {spec!r}: expected NAME or NAME:PARTITIONS (>= 1)")
+    return TopicSpec(identifiers.kafka_name(name), int(count) if count else None)
+
+
+def relay_topics(settings: OutboxSettings, extra: Iterable[str] = ()) -> list[TopicSpec]:
+    """The topics named in ``topics.names`` and in ``extra`` (later ones win)."""
+    configured = [s for s in settings.topics.names.split(",") if s.strip()]
+    specs: dict[str, TopicSpec] = {}
+    for raw in [*configured, *extra]:
+        spec = parse_spec(raw)
+        specs[spec.name] = spec
+    return list(specs.values())
+
+
+def consumer_topics(
+    settings: OutboxSettings, topics: Iterable[str], partitions: dict[str, int | None]
+) -> list[TopicSpec]:
+    """A consumer's source topics and their dead-letter topics."""
+    suffix = settings.consumer.dlq_suffix
+    specs = []
+    for topic in topics:
+        specs.append(TopicSpec(topic, partitions.get(topic)))
+        specs.append(TopicSpec(topic + suffix, dead_letter_of=topic))
+    return specs
+
+
+def _merge(specs: Sequence[TopicSpec]) -> list[TopicSpec]:
+    merged: dict[str, TopicSpec] = {}
+    for spec in specs:
+        old = merged.get(spec.name)
+        if old is None or (old.partitions is None and spec.partitions is not None):
+            merged[spec.name] = spec
+    # Sources before their dead-letter topics: a DLQ copies its source's partition count.
+    return sorted(merged.values(), key=lambda s: s.dead_letter_of is not None)
+
+
+async def ensure(settings: OutboxSettings, specs: Sequence[TopicSpec]) -> list[TopicResult]:
+    """Create what is missing; report every topic (see the module docstring)."""
+    wanted = _merge(specs)
+    if not wanted:
+        return []
+    admin = kafka_admin(settings, request_timeout_ms=int(_TIMEOUT_S * 1000))
+    try:
+        try:
+            await asyncio.wait_for(admin.start(), _TIMEOUT_S)
+            brokers = len((await admin.describe_cluster())["brokers"])
+            existing = await _partitions(admin, [s.name for s in wanted])
+        except (KafkaError, OSError, TimeoutError) as exc:
+            raise BrokerUnavailable(
+                f"Kafka at {settings.kafka_bootstrap_servers} unreachable ({type(exc).__name__})"
+            ) from None
+        replication = max(1, min(settings.topics.replication_factor, brokers))
+        results = []
+        for spec in wanted:
+            have = existing.get(spec.name)
+            result = await _ensure_one(admin, settings, spec, have, existing, replication)
+            existing[spec.name] = result.partitions
+            results.append(result)
+        return results
+    finally:
+        await admin.close()
+
+
+async def _ensure_one(
+    admin: AIOKafkaAdminClient,
+    settings: OutboxSettings,
+    spec: TopicSpec,
+    have: int | None,
+    existing: dict[str, int | None],
+    replication: int,
+) -> TopicResult:
+    if have is not None:
+        if spec.partitions is not None and have < spec.partitions:
+            return TopicResult(
+                spec.name,
+                "too_few_partitions",
+                have,
+                spec.partitions,
+                None,
+                f"has {have} partitions, {spec.partitions} asked; adding partitions moves "
+                "keys (per-key order breaks across the change): "
+                "add them deliberately with kafka-topics.sh --alter, or ask for fewer",
+            )
+        return TopicResult(spec.name, "exists", have, spec.partitions, None)
+    count = spec.partitions
+    if count is None and spec.dead_letter_of is not None:
+        count = existing.get(spec.dead_letter_of)
+    count = count or settings.topics.partitions
+    try:
+        response = await admin.create_topics([NewTopic(spec.name, count, replication)])
+        error = _topic_error(response, spec.name)
+    except KafkaError as exc:
+        error = exc
+    if isinstance(error, TopicAlreadyExistsError):  # created meanwhile by someone else
+        now = (await _partitions(admin, [spec.name])).get(spec.name)
+        return TopicResult(spec.name, "exists", now, spec.partitions, None)
+    if error is not None:
+        return TopicResult(
+            spec.name, "failed", None, spec.partitions, replication, _describe(error)
+        )
+    return TopicResult(spec.name, "created", count, spec.partitions, replication)
+
+
+async def _partitions(admin: AIOKafkaAdminClient, names: list[str]) -> dict[str, int | None]:
+    found: dict[str, int | None] = dict.fromkeys(names)
+    for t in await admin.describe_topics(names):
+        if t["error_code"] != _UNKNOWN_TOPIC and t["partitions"]:
+            found[t["topic"]] = len(t["partitions"])
+    return found
+
+
+def _topic_error(response: Any, name: str) -> KafkaError | None:
+    for entry in response.topic_errors:
+        topic, code = entry[0], entry[1]
+        if topic == name and code != 0:
+            message = entry[2] if len(entry) > 2 else None
+            error: KafkaError = for_code(code)(message) if message else for_code(code)()
+            return error
+    return None
+
+
+def _describe(error: BaseException) -> str:
+    name = type(error).__name__
+    message = str(error.args[0]) if error.args and error.args[0] else ""
+    return f"{name}: {message}" if message else name

@@ -1,0 +1,108 @@
+"""Least-privilege PostgreSQL roles, one per job (``outbox db sql --roles``).
+
+The script creates four NOLOGIN group roles and grants each what its job needs on the
+framework's tables of the configured schema and prefix; login users are then made members
+(``CREATE ROLE billing_relay LOGIN PASSWORD ... IN ROLE outbox_relay``). Migrations keep
+running as the tables' owner. Advisory locks (the relay's lanes) need no grant.
+
+* producer — the application: INSERT into the outbox, and SELECT of the columns
+  ``publish()`` reads to detect a reused ``event_id``; no UPDATE, no DELETE, no other rows'
+  state. Also the application-side tables: idempotent requests and the effects ledger.
+* relay — claims (``FOR UPDATE SKIP LOCKED`` needs UPDATE), deletes or marks published rows,
+  puts back unacknowledged ones (INSERT), moves rejected ones to ``failed``, its heartbeat
+  table ``relays``.
+* consumer — the inbox, attempt markers, dead letters, sequence guard, and the effects
+  ledger; never the outbox (a handler that publishes gets the producer role too). The
+  user's own tables are the user's to grant.
+* operator — reads everything (``lag``, ``doctor``, listings); deletes for ``cleanup`` and
+  ``purge`` (its batches lock with ``FOR UPDATE SKIP LOCKED``, so UPDATE too); INSERT into
+  the outbox for ``failed retry``.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy.dialects import postgresql
+
+from outbox import identifiers
+from outbox.migrations.naming import version_table
+from outbox.settings import OutboxSettings
+from outbox.tables import build_tables
+
+JOBS = ("producer", "relay", "consumer", "operator")
+_PREPARER = postgresql.dialect().identifier_preparer  # type: ignore[no-untyped-call]
+# Columns publish() reads back (fingerprint check and the mismatch report).
+_PRODUCER_READS = (
+    "event_id",
+    "fingerprint",
+    "topic",
+    "key",
+    "event_type",
+    "content_type",
+    "payload",
+)
+_ALL = "SELECT, INSERT, UPDATE, DELETE"
+
+
+def role_names(role_prefix: str) -> dict[str, str]:
+    """Job -> role name (``outbox_`` + job by default)."""
+    prefix = identifiers.table_prefix(role_prefix)
+    return {job: f"{prefix}{job}" for job in JOBS}
+
+
+def roles_sql(settings: OutboxSettings, role_prefix: str | None = None) -> str:
+    """The SQL script creating the job roles (idempotent: existing roles are kept, grants
+    are re-applied) for ``settings``' schema and table prefix."""
+    q = _PREPARER.quote_identifier
+    t = build_tables(settings)
+    schema = q(settings.db_schema)
+
+    def table(name: str) -> str:
+        return f"{schema}.{q(name)}"
+
+    def tables(*names: str) -> str:
+        return ", ".join(table(getattr(t, n).name) for n in names)
+
+    roles = role_names(settings.table_prefix if role_prefix is None else role_prefix)
+    r = {job: q(name) for job, name in roles.items()}
+    everyone = ", ".join(r.values())
+    every_table = [f.name for f in t.metadata.sorted_tables]
+    lines = [
+        f"-- outbox-inbox job roles for schema {settings.db_schema}, table prefix "
+        f"{settings.table_prefix}.",
+        "-- Run as the tables' owner after `outbox db upgrade`; then, per process:",
+        f"--   CREATE ROLE app_relay LOGIN PASSWORD '...' IN ROLE {roles['relay']};",
+        "BEGIN;",
+    ]
+    lines += [_create_role(name) for name in roles.values()]
+    lines += [
+        f"GRANT USAGE ON SCHEMA {schema} TO {everyone};",
+        f"GRANT SELECT ON {table(version_table(settings))} TO {everyone};",
+        "-- producer",
+        f"GRANT INSERT ON {tables('events')} TO {r['producer']};",
+        f"GRANT SELECT ({', '.join(q(c) for c in _PRODUCER_READS)}) ON {tables('events')} "
+        f"TO {r['producer']};",
+        f"GRANT {_ALL} ON {tables('idempotency', 'effects')} TO {r['producer']};",
+        "-- relay",
+        f"GRANT {_ALL} ON {tables('events', 'relays')} TO {r['relay']};",
+        f"GRANT SELECT, INSERT, UPDATE ON {tables('failed')} TO {r['relay']};",
+        "-- consumer",
+        f"GRANT {_ALL} ON "
+        f"{tables('inbox', 'inbox_attempts', 'dead_letters', 'inbox_sequences', 'effects')} "
+        f"TO {r['consumer']};",
+        "-- operator",
+        f"GRANT SELECT, UPDATE, DELETE ON {', '.join(table(n) for n in every_table)} "
+        f"TO {r['operator']};",
+        f"GRANT INSERT ON {tables('events')} TO {r['operator']};",
+        "COMMIT;",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _create_role(name: str) -> str:
+    # CREATE ROLE has no IF NOT EXISTS; a role made meanwhile by a concurrent run is fine.
+    literal = name.replace("'", "''")
+    return (
+        f"DO $$ BEGIN CREATE ROLE {_PREPARER.quote_identifier(name)} NOLOGIN; "
+        f"EXCEPTION WHEN duplicate_object THEN RAISE NOTICE 'role % exists', '{literal}'; "
+        "END $$;"
+    )

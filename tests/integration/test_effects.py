@@ -1,0 +1,450 @@
+"""The effect ledger against real PostgreSQL and the fake payment provider on real HTTP
+(loopback): each external effect happens once, ambiguous outcomes are reconciled, never
+blindly retried. Effects are counted by the provider."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prometheus_client import CollectorRegistry
+from sqlalchemy import Engine, select
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from examples.agent_tools.client import ProviderClient
+from examples.agent_tools.provider import FakeProvider
+from outbox.effects import (
+    NOT_APPLIED,
+    EffectConflict,
+    EffectFailed,
+    EffectInProgress,
+    EffectOutcomeUnknown,
+    EffectResultInvalid,
+    Effects,
+)
+from outbox.ops.cleanup import Retention, run_cleanup
+from outbox.resilience import (
+    CircuitBreaker,
+    CircuitOpen,
+    RetryBudget,
+    RetryBudgetExhausted,
+    RetryPolicy,
+)
+from outbox.settings import OutboxSettings
+from outbox.tables import build_tables
+from tests.support.effects_crasher import AMOUNT, CHARGE
+
+pytestmark = pytest.mark.integration
+ROOT = Path(__file__).resolve().parents[2]
+ARGS = {"charge": "ch_1", "amount": 1400}
+
+
+@pytest.fixture(scope="module")
+def provider() -> Iterator[FakeProvider]:
+    with FakeProvider(slow_seconds=1.5) as p:
+        yield p
+
+
+@pytest.fixture
+def client(provider: FakeProvider) -> ProviderClient:
+    provider.clear_faults()
+    return ProviderClient(provider.url, timeout=0.5)
+
+
+@pytest.fixture
+def registry() -> CollectorRegistry:
+    return CollectorRegistry()
+
+
+@pytest.fixture
+def effects(settings: OutboxSettings, registry: CollectorRegistry) -> Effects:
+    return Effects(
+        settings,
+        policy=RetryPolicy(base_seconds=0.05, cap_seconds=0.2, max_attempts=4),
+        registry=registry,
+    )
+
+
+def new_key() -> str:
+    return f"test-{uuid.uuid4()}"
+
+
+def metric(registry: CollectorRegistry, name: str, **labels: str) -> float:
+    return registry.get_sample_value(name, labels) or 0.0
+
+
+def record(engine: Engine, settings: OutboxSettings, key: str) -> Any:
+    t = build_tables(settings).effects
+    with engine.connect() as conn:
+        return conn.execute(select(t).where(t.c.key == key)).first()
+
+
+def requests(provider: FakeProvider) -> int:
+    """Refund requests (POST /refunds) the provider received so far."""
+    return int(ProviderClient(provider.url).stats()["requests"])
+
+
+def refund_via(client: ProviderClient) -> Callable[[str], Any]:
+    return lambda key: client.refund(ARGS["charge"], ARGS["amount"], idempotency_key=key)
+
+
+def reconcile_via(client: ProviderClient) -> Callable[[str], Any]:
+    def reconcile(key: str) -> Any:
+        found = client.find_refund(key)
+        return NOT_APPLIED if found is None else found
+
+    return reconcile
+
+
+def test_apply_then_timeout_is_reconciled_into_one_effect(
+    effects: Effects,
+    engine: Engine,
+    settings: OutboxSettings,
+    provider: FakeProvider,
+    client: ProviderClient,
+    registry: CollectorRegistry,
+) -> None:
+    key, before = new_key(), provider.effects
+    provider.fail_next("apply_then_timeout")
+    result = effects.run(
+        engine,
+        key=key,
+        payload=ARGS,
+        call=refund_via(client),
+        reconcile=reconcile_via(client),
+        dependency="psp",
+    )
+    assert result["idempotency_key"] == key
+    assert provider.effects - before == 1
+    row = record(engine, settings, key)
+    assert row.state == "done" and row.result == result and row.attempts == 1
+    assert metric(registry, "outbox_effects_reconciliations_total", result="applied") == 1
+    assert metric(registry, "outbox_effects_calls_total", dependency="psp", outcome="ambiguous")
+    # Every later caller gets the stored result, no call.
+    sent = requests(provider)
+    again = effects.run(engine, key=key, payload=ARGS, call=refund_via(client))
+    assert again == result and requests(provider) == sent
+    assert metric(registry, "outbox_effects_replays_total", state="done") == 1
+
+
+async def test_async_apply_then_die_is_reconciled(
+    effects: Effects, aengine: AsyncEngine, provider: FakeProvider, client: ProviderClient
+) -> None:
+    key, before = new_key(), provider.effects
+    provider.fail_next("apply_then_die")
+
+    async def call(k: str) -> Any:
+        return await asyncio.to_thread(refund_via(client), k)
+
+    async def reconcile(k: str) -> Any:
+        return await asyncio.to_thread(reconcile_via(client), k)
+
+    result = await effects.run_async(aengine, key=key, payload=ARGS, call=call, reconcile=reconcile)
+    assert result["idempotency_key"] == key and provider.effects - before == 1
+    again = await effects.run_async(aengine, key=key, payload=ARGS, call=call)
+    assert again == result and provider.effects - before == 1
+
+
+def test_ambiguous_without_reconcile_is_unknown_and_never_called_again(
+    effects: Effects,
+    engine: Engine,
+    settings: OutboxSettings,
+    provider: FakeProvider,
+    client: ProviderClient,
+    registry: CollectorRegistry,
+) -> None:
+    key, before = new_key(), provider.effects
+    provider.fail_next("bad_gateway")  # applied, then 502
+    with pytest.raises(EffectOutcomeUnknown):
+        effects.run(engine, key=key, payload=ARGS, call=refund_via(client))
+    sent = requests(provider)
+    for _ in range(3):
+        with pytest.raises(EffectOutcomeUnknown):
+            effects.run(engine, key=key, payload=ARGS, call=refund_via(client))
+    assert requests(provider) == sent, "no second call"
+    assert provider.effects - before == 1
+    row = record(engine, settings, key)
+    assert row.state == "unknown" and "HTTPError" in row.last_error
+    assert metric(registry, "outbox_effects_unknown_outcomes_total") == 1
+    # A later caller that can reconcile settles it without calling.
+    result = effects.run(
+        engine, key=key, payload=ARGS, call=refund_via(client), reconcile=reconcile_via(client)
+    )
+    assert result["idempotency_key"] == key and requests(provider) == sent  # a GET only
+    assert record(engine, settings, key).state == "done"
+
+
+def test_permanent_error_is_stored_and_replayed(
+    effects: Effects,
+    engine: Engine,
+    settings: OutboxSettings,
+    provider: FakeProvider,
+    client: ProviderClient,
+) -> None:
+    key, before = new_key(), provider.effects
+    provider.fail_next("reject")
+    with pytest.raises(EffectFailed) as first:
+        effects.run(engine, key=key, payload=ARGS, call=refund_via(client))
+    assert not first.value.replayed and first.value.error["status"] == 422
+    sent = requests(provider)
+    with pytest.raises(EffectFailed) as second:
+        effects.run(engine, key=key, payload=ARGS, call=refund_via(client))
+    assert second.value.replayed and second.value.error == first.value.error
+    assert requests(provider) == sent and provider.effects == before
+    assert record(engine, settings, key).state == "failed"
+
+
+def test_retryable_503_is_retried_with_the_same_key(
+    effects: Effects, engine: Engine, provider: FakeProvider, client: ProviderClient
+) -> None:
+    key, before, sent = new_key(), provider.effects, requests(provider)
+    provider.fail_next("unavailable", 2)
+    keys: list[str] = []
+
+    def call(k: str) -> Any:
+        keys.append(k)
+        return refund_via(client)(k)
+
+    effects.run(engine, key=key, payload=ARGS, call=call)
+    assert keys == [key] * 3 and provider.effects - before == 1
+    assert requests(provider) - sent == 3
+
+
+def test_retryable_exhausted_releases_the_key(
+    effects: Effects, engine: Engine, settings: OutboxSettings
+) -> None:
+    key = new_key()
+    closed = ProviderClient("http://127.0.0.1:9", timeout=0.5)  # nothing listens: refused
+    with pytest.raises(OSError):
+        effects.run(engine, key=key, payload=ARGS, call=refund_via(closed))
+    assert record(engine, settings, key) is None, "nothing applied: the key can run again"
+
+
+def test_same_key_other_arguments_is_a_conflict(
+    effects: Effects,
+    engine: Engine,
+    provider: FakeProvider,
+    client: ProviderClient,
+    registry: CollectorRegistry,
+) -> None:
+    key = new_key()
+    effects.run(engine, key=key, payload=ARGS, call=refund_via(client))
+    sent = requests(provider)
+    with pytest.raises(EffectConflict):
+        effects.run(engine, key=key, payload={**ARGS, "amount": 1}, call=refund_via(client))
+    assert requests(provider) == sent
+    assert metric(registry, "outbox_effects_conflicts_total") == 1
+
+
+def test_fifty_concurrent_callers_with_one_key_make_one_call(
+    effects: Effects, engine: Engine, provider: FakeProvider, client: ProviderClient
+) -> None:
+    key, before = new_key(), provider.effects
+    calls = 0
+    lock = threading.Lock()
+    start = threading.Barrier(50)
+    outcomes: list[Any] = []
+
+    def call(k: str) -> Any:
+        nonlocal calls
+        with lock:
+            calls += 1
+        time.sleep(0.3)  # the others arrive while the owner is calling
+        return refund_via(client)(k)
+
+    def caller() -> None:
+        start.wait()
+        try:
+            outcomes.append(effects.run(engine, key=key, payload=ARGS, call=call))
+        except EffectInProgress as exc:
+            outcomes.append(exc)
+
+    threads = [threading.Thread(target=caller) for _ in range(50)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert len(outcomes) == 50
+    assert calls == 1 and provider.effects - before == 1
+    results = [o for o in outcomes if not isinstance(o, EffectInProgress)]
+    assert results and all(r == results[0] for r in results)
+    # Afterwards every caller gets the one result.
+    assert effects.run(engine, key=key, payload=ARGS, call=call) == results[0] and calls == 1
+
+
+def test_caller_killed_between_call_and_done_is_reconciled(
+    effects: Effects,
+    engine: Engine,
+    settings: OutboxSettings,
+    provider: FakeProvider,
+    client: ProviderClient,
+) -> None:
+    key, before, lease = new_key(), provider.effects, 1.5
+    args = {"charge": CHARGE, "amount": AMOUNT}
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tests.support.effects_crasher",
+            settings.database_url.get_secret_value(),
+            provider.url,
+            key,
+            str(lease),
+        ],
+        stdout=subprocess.PIPE,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == "CALLED"
+        # The owner is alive and holds the row: in progress, however long it takes.
+        with pytest.raises(EffectInProgress):
+            effects.run(engine, key=key, payload=args, call=refund_via(client))
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+    assert proc.returncode == -signal.SIGKILL
+    assert record(engine, settings, key).state == "pending"
+    assert provider.effects - before == 1
+
+    def call(k: str) -> Any:
+        return client.refund(CHARGE, AMOUNT, idempotency_key=k)
+
+    deadline = time.monotonic() + lease + 10
+    while True:
+        try:
+            result = effects.run(
+                engine, key=key, payload=args, call=call, reconcile=reconcile_via(client)
+            )
+            break
+        except EffectInProgress:  # the dead caller's lease has not run out yet
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+    assert result["idempotency_key"] == key
+    assert provider.effects - before == 1, "reconciled, not called again"
+    row = record(engine, settings, key)
+    assert row.state == "done" and row.attempts == 0
+
+
+def test_breaker_open_is_not_retried_by_the_ledger(
+    settings: OutboxSettings, engine: Engine, registry: CollectorRegistry
+) -> None:
+    effects = Effects(
+        settings,
+        policy=RetryPolicy(base_seconds=0.01, max_attempts=5),
+        breaker=lambda name: CircuitBreaker(name, failure_threshold=1),
+        registry=registry,
+    )
+    closed = ProviderClient("http://127.0.0.1:9", timeout=0.5)
+    attempts = 0
+
+    def call(k: str) -> Any:
+        nonlocal attempts
+        attempts += 1
+        return refund_via(closed)(k)
+
+    with pytest.raises(CircuitOpen):
+        effects.run(engine, key=new_key(), payload=ARGS, call=call, dependency="down")
+    assert attempts == 1, "the open circuit stopped the retries"
+    assert metric(registry, "outbox_effects_breaker_state", dependency="down") == 2
+
+
+async def test_window_expiry_and_cleanup_behave_as_documented(
+    effects: Effects,
+    engine: Engine,
+    aengine: AsyncEngine,
+    settings: OutboxSettings,
+    provider: FakeProvider,
+    client: ProviderClient,
+) -> None:
+    window = timedelta(seconds=1)
+    key, parked = new_key(), new_key()
+    calls: list[str] = []
+
+    def call(k: str) -> Any:
+        calls.append(k)
+        return refund_via(client)(k)
+
+    first = effects.run(engine, key=key, payload=ARGS, call=call, window=window)
+    assert effects.run(engine, key=key, payload=ARGS, call=call, window=window) == first
+    assert len(calls) == 1, "within the window: replayed"
+    provider.fail_next("apply_then_die")
+    with pytest.raises(EffectOutcomeUnknown):
+        effects.run(engine, key=parked, payload=ARGS, call=call, window=window)
+    await asyncio.sleep(1.2)
+
+    # Past the window the record no longer counts: the key runs again, even before a
+    # cleanup deleted it (the provider's own Idempotency-Key then answers with its first
+    # refund: no new effect there).
+    effects_before = provider.effects
+    assert effects.run(engine, key=key, payload=ARGS, call=call, window=window) == first
+    assert len(calls) == 3 and provider.effects == effects_before
+    await asyncio.sleep(1.2)
+
+    # `outbox cleanup` deletes done/failed records past their window, never unknown ones.
+    retention = Retention(None, None, idempotency=False, effects=True)
+    dry = await run_cleanup(aengine, settings, retention, dry_run=True)
+    assert dry.total >= 1
+    report = await run_cleanup(aengine, settings, retention)
+    assert [r.target for r in report.results] == ["effects"] and report.total >= 1
+    assert record(engine, settings, key) is None
+    assert record(engine, settings, parked).state == "unknown"
+
+
+def test_a_failing_reconcile_parks_the_key_as_unknown(
+    effects: Effects,
+    engine: Engine,
+    settings: OutboxSettings,
+    provider: FakeProvider,
+    client: ProviderClient,
+) -> None:
+    key, before = new_key(), provider.effects
+    provider.fail_next("apply_then_die")
+
+    def broken(k: str) -> Any:
+        raise ConnectionRefusedError(111, "status endpoint down")
+
+    with pytest.raises(EffectOutcomeUnknown, match="reconcile failed"):
+        effects.run(engine, key=key, payload=ARGS, call=refund_via(client), reconcile=broken)
+    assert record(engine, settings, key).state == "unknown"
+    assert provider.effects - before == 1
+
+
+def test_a_result_that_is_not_json_is_recorded_as_done_and_reported(
+    effects: Effects, engine: Engine, settings: OutboxSettings
+) -> None:
+    key = new_key()
+    with pytest.raises(EffectResultInvalid):
+        effects.run(engine, key=key, payload=ARGS, call=lambda k: {"at": object()})
+    assert record(engine, settings, key).state == "done"
+    assert effects.run(engine, key=key, payload=ARGS, call=lambda k: pytest.fail("again")) is None
+
+
+def test_an_empty_retry_budget_fails_fast_and_releases_the_key(
+    settings: OutboxSettings, engine: Engine, provider: FakeProvider, client: ProviderClient
+) -> None:
+    effects = Effects(
+        settings,
+        policy=RetryPolicy(base_seconds=0.01, max_attempts=5),
+        budget=RetryBudget(ratio=0, burst=0, min_per_second=0),
+        registry=CollectorRegistry(),
+    )
+    key, sent = new_key(), requests(provider)
+    provider.fail_next("unavailable")
+    with pytest.raises(RetryBudgetExhausted):
+        effects.run(engine, key=key, payload=ARGS, call=refund_via(client))
+    assert requests(provider) - sent == 1
+    assert record(engine, settings, key) is None

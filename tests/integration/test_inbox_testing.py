@@ -1,0 +1,92 @@
+"""inbox.testing's harness runs the real processing path: retries with durable attempt
+counts, classification, dead letters, duplicates, the stale guard, EventContext."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+from pydantic import BaseModel
+from sqlalchemy.ext.asyncio import AsyncSession
+
+import inbox
+from inbox import EventContext, Permanent, Retryable
+from inbox.testing import InboxHarness
+from outbox.settings import OutboxSettings
+
+pytestmark = pytest.mark.integration
+
+
+class Job(BaseModel):
+    fail_times: int = 0
+    permanent: bool = False
+
+
+def _app(seen: list[EventContext]) -> inbox.Consumer:
+    app = inbox.Consumer(name=f"harness-{uuid.uuid4().hex[:8]}", topics=["jobs"])
+
+    @app.handler("job.run", max_attempts=3)
+    async def run(job: Job, session: AsyncSession, ctx: EventContext) -> None:
+        seen.append(ctx)
+        if job.permanent:
+            raise Permanent("cannot run this job")
+        if ctx.attempt <= job.fail_times:
+            raise Retryable("worker busy")
+
+    @app.handler("job.versioned", stale="skip")
+    async def versioned(job: Job, session: AsyncSession) -> None: ...
+
+    return app
+
+
+async def test_retries_count_attempts_and_then_succeed(settings: OutboxSettings) -> None:
+    seen: list[EventContext] = []
+    async with InboxHarness(_app(seen), settings) as harness:
+        delivery = await harness.deliver("job.run", Job(fail_times=2), key="j1")
+    assert (delivery.outcome, delivery.runs) == ("handled", 3)
+    assert [c.attempt for c in seen] == [1, 2, 3]
+    assert {(c.event_id, c.key, c.topic, c.partition) for c in seen} == {
+        (delivery.event.event_id, b"j1", "jobs", 0)
+    }
+    assert seen[0].header("ce_type") == "job.run"
+
+
+async def test_exhausted_retries_and_permanent_errors_are_dead_lettered(
+    settings: OutboxSettings,
+) -> None:
+    seen: list[EventContext] = []
+    async with InboxHarness(_app(seen), settings) as harness:
+        exhausted = await harness.deliver("job.run", Job(fail_times=5))
+        permanent = await harness.deliver("job.run", Job(permanent=True))
+        assert await harness.status(permanent.event) == "dead_lettered"
+        again = await harness.deliver(permanent.event)
+    assert exhausted.outcome == "dead_lettered" and exhausted.dead_letter is not None
+    assert (exhausted.dead_letter.error_class, exhausted.dead_letter.attempts) == ("Retryable", 3)
+    assert permanent.dead_letter is not None
+    assert (permanent.dead_letter.error_class, permanent.dead_letter.attempts) == ("Permanent", 1)
+    assert permanent.dead_letter.error_message == "cannot run this job"
+    assert again.outcome == "duplicate"  # a dead letter is not dead-lettered twice
+    assert [d.event_id for d in harness.dead_letters] == [
+        exhausted.event.event_id,
+        permanent.event.event_id,
+    ]
+
+
+async def test_stale_events_and_unknown_types_follow_the_policies(
+    settings: OutboxSettings,
+) -> None:
+    async with InboxHarness(_app([]), settings) as harness:  # unknown types: skip by default
+        key = f"k-{uuid.uuid4().hex[:6]}"
+        newer = await harness.deliver("job.versioned", Job(), key=key, sequence=5)
+        older = await harness.deliver("job.versioned", Job(), key=key, sequence=4)
+        unknown = await harness.deliver("job.unknown", Job())
+    assert (newer.outcome, older.outcome, unknown.outcome) == ("handled", "stale", "skipped")
+    assert harness.dead_letters == []
+    dead_letter_unknown = settings.model_copy(
+        update={
+            "consumer": settings.consumer.model_copy(update={"unknown_type_policy": "dead_letter"})
+        }
+    )
+    async with InboxHarness(_app([]), dead_letter_unknown) as harness:
+        asked = await harness.deliver("job.unknown", Job())
+    assert asked.outcome == "dead_lettered"

@@ -1,0 +1,212 @@
+"""Least-privilege roles (`outbox db sql --roles`): each daemon and tool runs as a login
+user in its job's role and does its whole job — producer -> relay -> consumer (with a dead
+letter) -> lag/doctor/cleanup — while what a job must not do is refused by PostgreSQL with
+SQLSTATE 42501 (insufficient_privilege)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import psycopg
+import pytest
+from aiokafka.admin import NewTopic
+from pydantic import SecretStr
+from sqlalchemy import Engine, text
+from sqlalchemy.engine import make_url
+
+from outbox import Message, Outbox, migrate
+from outbox.daemon import kafka_admin
+from outbox.db import sync_engine
+from outbox.roles import JOBS, role_names
+from outbox.settings import OutboxSettings
+from tests.security.conftest import Daemon, cli, run_daemon, secret, until
+
+pytestmark = pytest.mark.integration
+
+
+@dataclass(frozen=True)
+class Jobs:
+    owner: OutboxSettings  # the tables' owner (migrations)
+    as_job: dict[str, OutboxSettings]  # job -> settings logging in as a member of its role
+    logins: dict[str, str]  # job -> login user name
+
+    @property
+    def events(self) -> str:
+        return f'"{self.owner.db_schema}"."{self.owner.table_prefix}events"'
+
+
+def _owner_dsn(settings: OutboxSettings) -> str:
+    return settings.libpq_dsn
+
+
+@pytest.fixture
+def jobs(base_settings: OutboxSettings) -> Iterator[Jobs]:
+    owner = base_settings.model_copy(update={"table_prefix": f"g{uuid.uuid4().hex[:8]}_"})
+    migrate.upgrade(owner)
+    role_prefix = f"r{uuid.uuid4().hex[:8]}_"
+    proc = cli(owner, "db", "sql", "--roles", "--role-prefix", role_prefix)
+    assert proc.returncode == 0, proc.stderr
+    groups = role_names(role_prefix)
+    logins = {job: f"{groups[job]}_login" for job in JOBS}
+    passwords = {job: secret(f"pw-{job}-{uuid.uuid4().hex[:10]}") for job in JOBS}
+    with psycopg.connect(_owner_dsn(owner), autocommit=True) as conn:
+        conn.execute(proc.stdout)  # the script exactly as the CLI printed it
+        conn.execute(proc.stdout)  # and it can be applied again
+        for job in JOBS:
+            conn.execute(
+                psycopg.sql.SQL("CREATE ROLE {} LOGIN PASSWORD {} IN ROLE {}").format(
+                    psycopg.sql.Identifier(logins[job]),
+                    psycopg.sql.Literal(passwords[job]),
+                    psycopg.sql.Identifier(groups[job]),
+                )
+            )
+    url = make_url(owner.database_url.get_secret_value())
+    as_job = {
+        job: owner.model_copy(
+            update={
+                "database_url": SecretStr(
+                    url.set(username=logins[job], password=passwords[job]).render_as_string(
+                        hide_password=False
+                    )
+                )
+            }
+        )
+        for job in JOBS
+    }
+    yield Jobs(owner, as_job, logins)
+    with psycopg.connect(_owner_dsn(owner), autocommit=True) as conn:
+        for name in [*logins.values(), *groups.values()]:
+            ident = psycopg.sql.Identifier(name)
+            conn.execute(psycopg.sql.SQL("DROP OWNED BY {}").format(ident))
+            conn.execute(psycopg.sql.SQL("DROP ROLE {}").format(ident))
+
+
+def refused(settings: OutboxSettings, statement: str) -> str:
+    """Run ``statement`` as ``settings``' user; the SQLSTATE PostgreSQL refused it with."""
+    with psycopg.connect(settings.libpq_dsn) as conn:
+        try:
+            conn.execute(statement)
+        except psycopg.Error as exc:
+            return str(exc.sqlstate)
+    return "allowed"
+
+
+def test_the_producer_publishes_and_can_do_nothing_else_to_the_outbox(jobs: Jobs) -> None:
+    producer = jobs.as_job["producer"]
+    engine = sync_engine(producer)
+    ob = Outbox(producer)
+    event_id = uuid.uuid4()
+    try:
+        for _ in range(2):  # the second publish of the same event_id is a no-op
+            with engine.begin() as conn:
+                ob.publish(conn, topic="t", event_type="e", payload={"a": 1}, event_id=event_id)
+    finally:
+        engine.dispose()
+    with psycopg.connect(jobs.owner.libpq_dsn) as conn:
+        rows = conn.execute(f"SELECT count(*) FROM {jobs.events}").fetchone()
+    assert rows == (1,)
+    assert refused(producer, f"DELETE FROM {jobs.events}") == "42501"
+    assert refused(producer, f"UPDATE {jobs.events} SET attempts = 9") == "42501"
+    assert refused(producer, f"SELECT published_at FROM {jobs.events}") == "42501"
+
+
+def test_the_consumer_cannot_touch_the_outbox(jobs: Jobs) -> None:
+    consumer = jobs.as_job["consumer"]
+    assert refused(consumer, f"SELECT count(*) FROM {jobs.events}") == "42501"
+    assert refused(consumer, f"DELETE FROM {jobs.events}") == "42501"
+    insert = (
+        f"INSERT INTO {jobs.events} (event_id, topic, lane, event_type, source, content_type,"
+        " payload, fingerprint) VALUES (gen_random_uuid(), 't', 0, 'e', 's', 'c', '', '')"
+    )
+    assert refused(consumer, insert) == "42501"
+
+
+def test_the_operator_reads_and_deletes_but_does_not_own(jobs: Jobs) -> None:
+    operator = jobs.as_job["operator"]
+    assert refused(operator, f"SELECT count(*) FROM {jobs.events}") == "allowed"
+    assert refused(operator, f"DROP TABLE {jobs.events}") == "42501"
+    assert refused(operator, f"TRUNCATE {jobs.events}") == "42501"
+
+
+async def test_every_daemon_does_its_job_under_its_role(
+    jobs: Jobs, engine: Engine, daemons: list[Daemon], tmp_path: Path
+) -> None:
+    topic = f"roles-{uuid.uuid4().hex[:10]}"
+    admin = kafka_admin(jobs.owner)
+    await admin.start()
+    try:
+        await admin.create_topics([NewTopic(topic, 2, 1)])
+    finally:
+        await admin.close()
+    # The user's own table: the user grants it to the consumer's login.
+    effects = f"role_effects_{uuid.uuid4().hex[:8]}"
+    with engine.begin() as conn:
+        conn.execute(text(f"CREATE TABLE {effects} (event_id text PRIMARY KEY, n int)"))
+        conn.execute(text(f'GRANT INSERT ON {effects} TO "{jobs.logins["consumer"]}"'))
+
+    producer = jobs.as_job["producer"]
+    pengine = sync_engine(producer)
+    try:
+        with pengine.begin() as conn:
+            ids = Outbox(producer).publish_many(
+                conn,
+                [
+                    Message(topic=topic, key=f"k{n}", event_type="sec.order", payload={"n": n})
+                    for n in range(20)
+                ]
+                + [Message(topic=topic, key="p", event_type="sec.order", payload={"poison": 1})],
+            )
+    finally:
+        pengine.dispose()
+
+    consumer = f"roles-consumer-{uuid.uuid4().hex[:6]}"
+    relay = run_daemon(daemons, jobs.as_job["relay"], tmp_path, "relay")
+    consume = run_daemon(
+        daemons,
+        jobs.as_job["consumer"],
+        tmp_path,
+        "consume",
+        "tests.support.secured_apps:app",
+        SECURED_TEST_CONSUMER=consumer,
+        SECURED_TEST_TOPIC=topic,
+        SECURED_TEST_EFFECTS=effects,
+    )
+    letters = f'"{jobs.owner.db_schema}"."{jobs.owner.table_prefix}dead_letters"'
+
+    def done() -> bool:
+        with engine.connect() as conn:
+            applied = conn.execute(text(f"SELECT count(*) FROM {effects}")).scalar_one()
+            dead = conn.execute(text(f"SELECT count(*) FROM {letters}")).scalar_one()
+        return bool(applied == len(ids) - 1 and dead == 1)
+
+    until(
+        done,
+        90,
+        f"20 effects and 1 dead letter (relay: {relay.output()[-2000:]}\n"
+        f"consumer: {consume.output()[-2000:]})",
+    )
+
+    operator = jobs.as_job["operator"]
+    lag = cli(operator, "lag", "--json", "--group", consumer)
+    assert lag.returncode == 0, lag.stderr
+    group = {g["group"]: g for g in json.loads(lag.stdout)["groups"]}[consumer]
+    assert group["dead_letters"] == 1
+    doctor = cli(operator, "doctor", "--json")
+    findings = json.loads(doctor.stdout)
+    assert not [f for f in findings if f["level"] == "error"], doctor.stdout
+    await asyncio.sleep(1.1)  # every inbox row is older than the cut-off below
+    cleanup = cli(operator, "cleanup", "--json", "--inbox-older-than", "1s")
+    assert cleanup.returncode == 0, cleanup.stderr + cleanup.stdout
+    deleted = {r["target"]: r["deleted"] for r in json.loads(cleanup.stdout)["results"]}
+    assert deleted["inbox"] == len(ids)
+    for out in (lag, doctor, cleanup):
+        assert "permission denied" not in out.stdout + out.stderr
+
+    assert relay.stop() == 0 and consume.stop() == 0
+    for daemon in (relay, consume):
+        assert "permission denied" not in daemon.output()
