@@ -19,16 +19,18 @@ from typing import Any
 
 import pytest
 from prometheus_client import CollectorRegistry
-from sqlalchemy import Engine, select
+from sqlalchemy import Engine, event, select, update
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from examples.agent_tools.client import ProviderClient
 from examples.agent_tools.provider import FakeProvider
+from outbox.db import sync_engine
 from outbox.effects import (
     NOT_APPLIED,
     EffectConflict,
     EffectFailed,
     EffectInProgress,
+    EffectLeaseLost,
     EffectOutcomeUnknown,
     EffectResultInvalid,
     Effects,
@@ -448,3 +450,29 @@ def test_an_empty_retry_budget_fails_fast_and_releases_the_key(
         effects.run(engine, key=key, payload=ARGS, call=refund_via(client))
     assert requests(provider) - sent == 1
     assert record(engine, settings, key) is None
+
+
+def test_a_claim_taken_over_before_its_call_is_lease_lost_and_calls_nothing(
+    effects: Effects, settings: OutboxSettings, engine: Engine, registry: CollectorRegistry
+) -> None:
+    # The window between the claim's commit and the row lock: a second caller (here a real
+    # concurrent transaction) takes the key over, as it may once the first one's lease has run
+    # out. The first caller must notice and call nothing.
+    key, calls = new_key(), []
+    t = build_tables(settings).effects
+    racing = sync_engine(settings)
+
+    def take_over_before_the_lock(_c: Any, _cur: Any, statement: str, *_: Any) -> None:
+        if "FOR UPDATE" in statement and "lock_token" in statement:
+            with engine.begin() as other:
+                other.execute(update(t).where(t.c.key == key).values(lock_token=uuid.uuid4()))
+
+    event.listen(racing, "before_cursor_execute", take_over_before_the_lock)
+    try:
+        with pytest.raises(EffectLeaseLost) as raised:
+            effects.run(racing, key=key, payload=ARGS, call=calls.append)
+    finally:
+        racing.dispose()
+    assert raised.value.retriable and calls == []
+    row = record(engine, settings, key)
+    assert row.state == "pending" and row.attempts == 0, "the new owner's claim is untouched"

@@ -46,9 +46,24 @@ async def test_one_trace_links_producer_relay_and_consumer_with_retry_and_dead_l
 ) -> None:
     topic = await new_topic(1)
     run = Wrapped("tests.support.traced", settings, topic, tmp_path, ".jsonl")
-    payloads = [{"n": 1}, {"n": 2, "fail_times": 1}, {"n": 3, "poison": True}]
+    payloads = [
+        {"n": 1},
+        {"n": 2, "fail_times": 1},
+        {"n": 3, "poison": True},
+        {"n": 4, "type": "order.shipped"},  # a sync handler, which publishes a follow-up
+    ]
     trace_of: dict[str, str] = json.loads(run.publish(json.dumps(payloads)))
-    ok_id, retried_id, poisoned_id = trace_of  # event_id -> the producer's trace id
+    ok_id, retried_id, poisoned_id, shipped_id = trace_of  # event_id -> producer's trace id
+
+    def follow_up_links() -> list[Span]:
+        # The relay's links to messages of the shipped event's trace other than the event.
+        return [
+            link
+            for s in _spans(run.out["relay"])
+            for link in s["links"]
+            if _hex(link["context"]["trace_id"]) == trace_of[shipped_id]
+            and link["attributes"]["messaging.message.id"] != shipped_id
+        ]
 
     def done() -> bool:
         finished = {
@@ -56,10 +71,14 @@ async def test_one_trace_links_producer_relay_and_consumer_with_retry_and_dead_l
             for s in _spans(run.out["consumer"])
             if s["status"]["status_code"] != "ERROR" or s["attributes"].get("outbox.dead_letter")
         }
-        return {ok_id, retried_id, poisoned_id} <= finished
+        return {ok_id, retried_id, poisoned_id, shipped_id} <= finished and bool(follow_up_links())
 
     async with run.daemons():
-        await wait_for(done, timeout=90, what="the consumer's spans of all three events")
+        await wait_for(
+            done,
+            timeout=90,
+            what="the consumer's spans of all four events and the follow-up's send",
+        )
 
     [checkout] = [
         s for s in _spans(run.out["producer"]) if _hex(s["context"]["trace_id"]) == trace_of[ok_id]
@@ -126,6 +145,13 @@ async def test_one_trace_links_producer_relay_and_consumer_with_retry_and_dead_l
     assert letter["attributes"]["outbox.dead_letter.topic"] == topic + ".dlq"
     assert "cannot be handled" in letter["attributes"]["outbox.dead_letter.reason"]
     assert [e["name"] for e in letter["events"]] == ["dead_lettered"]
+
+    # A sync handler's publish continues the trace: the follow-up's context is the shipped
+    # event's process span (the handler runs in SQLAlchemy's greenlet, not the task).
+    # (If a neighbour's failure rolled back its first run, the last run is the committed one.)
+    shipped = [s for s in spans if s["attributes"].get("messaging.message.id") == shipped_id]
+    [follow_up] = follow_up_links()
+    assert follow_up["context"]["span_id"] == shipped[-1]["context"]["span_id"]
 
 
 async def test_idempotent_requests_carry_the_key_and_replay_on_their_spans(

@@ -48,7 +48,8 @@ def configure(path: str, service: str) -> TracerProvider:
 
 def publish(topic: str, payloads: list[dict[str, Any]]) -> None:
     """Publish each payload in its own transaction, inside a "checkout" span (the request
-    that publishes the event); prints {event_id: trace_id} as JSON."""
+    that publishes the event); prints {event_id: trace_id} as JSON. A payload's "type"
+    field, if any, is its event type (default order.created)."""
     from sqlalchemy import create_engine
 
     from outbox import Outbox, OutboxSettings
@@ -60,8 +61,9 @@ def publish(topic: str, payloads: list[dict[str, Any]]) -> None:
     out = {}
     for payload in payloads:
         with tracer.start_as_current_span("checkout") as span, engine.begin() as conn:
+            event_type = payload.pop("type", "order.created")
             event_id = outbox.publish(
-                conn, topic=topic, key="k", event_type="order.created", payload=payload
+                conn, topic=topic, key="k", event_type=event_type, payload=payload
             )
         out[str(event_id)] = format(span.get_span_context().trace_id, "032x")
     engine.dispose()
