@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import importlib
-import os
-import sys
 import threading
 
 import typer
@@ -14,20 +11,15 @@ from cli.context import notice, run, settings_of
 from inbox import Consumer, ConsumerAppNotFound, ConsumerDaemon, Metrics
 from outbox import aio
 from outbox.daemon import early_stop_signals, serve_http, stop_on_signals
+from outbox.imports import import_target
 
 
 def load_consumer(target: str) -> Consumer:
-    """Import ``module:attribute`` (from the current directory too, like ``python -m``)."""
-    module_name, _, attr = target.partition(":")
-    if not module_name or not attr:
-        raise ConsumerAppNotFound(f"expected MODULE:ATTR, got {target!r}")
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
+    """The consumer ``module:attribute`` names (see :func:`outbox.imports.import_target`)."""
     try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ConsumerAppNotFound(f"cannot import {module_name!r}: {exc}") from None
-    app = getattr(module, attr, None)
+        app = import_target(target)
+    except ValueError as exc:
+        raise ConsumerAppNotFound(str(exc)) from None
     if not isinstance(app, Consumer):
         raise ConsumerAppNotFound(f"{target!r} is not an inbox.Consumer (got {type(app).__name__})")
     return app

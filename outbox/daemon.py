@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import inspect
 import json
 import signal
@@ -19,8 +20,10 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Protocol
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
+import aiokafka.conn
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka import errors as kerr
+from aiokafka.abc import AbstractTokenProvider
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.conn import create_conn
 from aiokafka.errors import (
@@ -35,6 +38,7 @@ from prometheus_client import CollectorRegistry, make_wsgi_app
 from pydantic import SecretStr
 
 from outbox.errors import BrokerRefused, ConfigurationError
+from outbox.imports import import_target
 from outbox.settings import KafkaSettings, OutboxSettings
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -54,11 +58,55 @@ def kafka_options(settings: OutboxSettings) -> dict[str, Any]:
     if k.uses_tls:
         options["ssl_context"] = _ssl_context(k)
     if k.uses_sasl:
-        assert k.sasl_password is not None  # KafkaSettings refuses SASL without one
         options["sasl_mechanism"] = k.sasl_mechanism
-        options["sasl_plain_username"] = k.sasl_username
-        options["sasl_plain_password"] = k.sasl_password.get_secret_value()
+        if k.sasl_oauth_token_provider is not None:
+            options["sasl_oauth_token_provider"] = token_provider(k.sasl_oauth_token_provider)
+        else:
+            assert k.sasl_password is not None  # KafkaSettings refuses SASL without one
+            options["sasl_plain_username"] = k.sasl_username
+            options["sasl_plain_password"] = k.sasl_password.get_secret_value()
     return options
+
+
+class _OAuthExchange(aiokafka.conn.OAuthAuthenticator):  # type: ignore[misc]
+    """aiokafka's OAUTHBEARER exchange, finished as RFC 7628 (3.2.3) says. A broker that
+    rejects the token answers with an error challenge ({"status": "invalid_token"}) and
+    fails the authentication only after the client replies %x01. aiokafka (0.14) stops
+    after sending the token, so a rejected token looked like a success, followed by a
+    broker that never answered: clients retried metadata forever instead of failing with
+    SaslAuthenticationFailed."""
+
+    async def step(self, payload: bytes | None) -> tuple[bytes, bool] | None:
+        if self._token_sent and payload:
+            return b"\x01", True
+        result: tuple[bytes, bool] | None = await super().step(payload)
+        return result
+
+
+@functools.cache
+def token_provider(target: str) -> AbstractTokenProvider:
+    """The OAUTHBEARER token provider ``MODULE:ATTR`` names: an instance, or a class or
+    function returning one. One per process, shared by every client: a provider caches and
+    refreshes its token, and each client asks it at every (re)connection."""
+    aiokafka.conn.OAuthAuthenticator = _OAuthExchange  # what every connection's exchange uses
+    setting = "OUTBOX_KAFKA__SASL_OAUTH_TOKEN_PROVIDER"
+    try:
+        found = import_target(target)
+    except ValueError as exc:
+        raise ConfigurationError(f"{setting}: {exc}") from None
+    if callable(found) and not isinstance(found, AbstractTokenProvider):
+        try:
+            found = found()
+        except Exception as exc:
+            raise ConfigurationError(
+                f"{setting}: {target}() failed: {type(exc).__name__}: {str(exc)[:200]}"
+            ) from None
+    if not isinstance(found, AbstractTokenProvider):
+        raise ConfigurationError(
+            f"{setting}: {target} is not an aiokafka.abc.AbstractTokenProvider "
+            f"(got {type(found).__name__})"
+        )
+    return found
 
 
 def kafka_environment(settings: OutboxSettings) -> dict[str, str]:
@@ -157,6 +205,12 @@ async def security_refusal(settings: OutboxSettings) -> BrokerRefused | None:
             timeout,
         )
     except (SaslAuthenticationFailed, AuthenticationFailedError):
+        if k.sasl_oauth_token_provider is not None:
+            return _refused(
+                f"authentication failed (OAUTHBEARER, token from {k.sasl_oauth_token_provider})",
+                "check the token it returns (expired? audience, scope, subject) and "
+                "OUTBOX_KAFKA__SASL_OAUTH_TOKEN_PROVIDER",
+            )
         return _refused(
             f"authentication failed ({k.sasl_mechanism} as user {k.sasl_username!r})",
             "check OUTBOX_KAFKA__SASL_USERNAME / SASL_PASSWORD / SASL_MECHANISM",

@@ -185,7 +185,7 @@ class IdempotencySettings(_Section):
 
 
 SecurityProtocol = Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"]
-SaslMechanism = Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"]
+SaslMechanism = Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "OAUTHBEARER"]
 
 # Options the dedicated fields own: an extra option may not set them (secrets stay in
 # SecretStr fields, so they are masked wherever settings are shown).
@@ -196,8 +196,9 @@ _OWNED_PREFIXES = ("sasl_", "ssl_")
 class KafkaSettings(_Section):
     """How every Kafka client of the project connects (TLS, SASL, client id).
 
-    The broker list stays ``OUTBOX_KAFKA_BOOTSTRAP_SERVERS``. OAUTHBEARER is not offered:
-    aiokafka needs a token provider object for it, which an environment variable cannot be.
+    The broker list stays ``OUTBOX_KAFKA_BOOTSTRAP_SERVERS``. OAUTHBEARER takes its tokens
+    from the deployment's own code, named as ``MODULE:ATTR`` (an environment variable cannot
+    hold a token provider, and a fixed token would expire).
     """
 
     security_protocol: SecurityProtocol = Field(
@@ -205,11 +206,17 @@ class KafkaSettings(_Section):
         description="PLAINTEXT, SSL, SASL_PLAINTEXT or SASL_SSL (managed clusters: SASL_SSL).",
     )
     sasl_mechanism: SaslMechanism = Field(
-        "SCRAM-SHA-512", description="PLAIN, SCRAM-SHA-256 or SCRAM-SHA-512 (SASL_* only)."
+        "SCRAM-SHA-512",
+        description="PLAIN, SCRAM-SHA-256, SCRAM-SHA-512 or OAUTHBEARER (SASL_* only).",
     )
     sasl_username: str | None = Field(None, description="SASL user (API key on Confluent Cloud).")
     sasl_password: SecretStr | None = Field(
         None, description="SASL password (API secret); never shown or logged."
+    )
+    sasl_oauth_token_provider: str | None = Field(
+        None,
+        description="OAUTHBEARER: `MODULE:ATTR` of an aiokafka `AbstractTokenProvider` (an "
+        "instance, or a class or function returning one), e.g. for MSK IAM or OIDC.",
     )
     ssl_ca_file: Path | None = Field(
         None,
@@ -252,12 +259,22 @@ class KafkaSettings(_Section):
 
     @model_validator(mode="after")
     def _consistent(self) -> KafkaSettings:
-        if self.security_protocol.startswith("SASL_") and (
-            not self.sasl_username or self.sasl_password is None
-        ):
+        oauth = self.sasl_mechanism == "OAUTHBEARER"
+        if self.uses_sasl and oauth and not self.sasl_oauth_token_provider:
+            raise ValueError(
+                "sasl_mechanism OAUTHBEARER needs sasl_oauth_token_provider "
+                "(OUTBOX_KAFKA__SASL_OAUTH_TOKEN_PROVIDER=MODULE:ATTR)"
+            )
+        if self.uses_sasl and not oauth and (not self.sasl_username or self.sasl_password is None):
             raise ValueError(
                 f"security_protocol {self.security_protocol} needs sasl_username and "
                 "sasl_password (OUTBOX_KAFKA__SASL_USERNAME, OUTBOX_KAFKA__SASL_PASSWORD)"
+            )
+        if self.sasl_oauth_token_provider is not None and (
+            not oauth or ":" not in self.sasl_oauth_token_provider
+        ):
+            raise ValueError(
+                "sasl_oauth_token_provider is MODULE:ATTR, used with sasl_mechanism OAUTHBEARER"
             )
         if (self.ssl_cert_file is None) != (self.ssl_key_file is None):
             raise ValueError("ssl_cert_file and ssl_key_file go together")

@@ -18,7 +18,7 @@ import psycopg
 
 from outbox.daemon import serve_http, stop_on_signals
 from outbox.db import unavailable
-from outbox.errors import BrokerRefused, TopicMissing
+from outbox.errors import ConfigurationError, TopicMissing
 from outbox.ops.topics import relay_topics
 from outbox.resilience.retry import RetryPolicy
 from outbox.settings import OutboxSettings
@@ -92,7 +92,7 @@ class Relay:
             await conn.close()
         try:
             await asyncio.wait_for(self._publisher.ensure_started(), _PREFLIGHT_SECONDS)
-        except BrokerRefused:
+        except ConfigurationError:  # refused by Kafka, or client settings that cannot work
             raise
         except Exception as exc:  # retried by the pipelines, logged once there
             log.debug("Kafka not ready at start", extra={"error": repr(exc)})

@@ -18,7 +18,6 @@ connections inside the test's own event loop.
 
 from __future__ import annotations
 
-import importlib
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -30,6 +29,7 @@ from inbox.app import Consumer
 from inbox.testing.harness import InboxHarness
 from outbox import migrate
 from outbox.db import sync_engine
+from outbox.imports import import_target
 from outbox.settings import OutboxSettings, load_settings
 from outbox.testing import PublishedEvent, published
 
@@ -81,8 +81,10 @@ def inbox_app(request: pytest.FixtureRequest) -> Consumer:
             "no consumer app to test: add `inbox_app = app_fixture(app)` to conftest.py "
             "or set the ini option inbox_app = module:attribute"
         )
-    module, _, attribute = str(target).partition(":")
-    app = getattr(importlib.import_module(module), attribute)
+    try:
+        app = import_target(str(target))
+    except ValueError as exc:
+        raise pytest.UsageError(f"inbox_app {target}: {exc}") from None
     if not isinstance(app, Consumer):
         raise pytest.UsageError(f"inbox_app {target} is not an inbox.Consumer")
     return app

@@ -18,6 +18,7 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 from pydantic import SecretStr
@@ -79,16 +80,25 @@ def sasl_ssl(
     password: str | None = None,
     ca_file: Path | None = None,
     mechanism: str = "SCRAM-SHA-512",
+    token_provider: str = "tests.support.oauth_tokens:valid",
     **update: object,
 ) -> OutboxSettings:
-    """``settings`` connecting to the SASL_SSL listener with SCRAM (fresh tables per call)."""
+    """``settings`` connecting to the SASL_SSL listener with SCRAM, PLAIN or OAUTHBEARER
+    (``token_provider``, see tests/support/oauth_tokens.py)."""
+    credentials: dict[str, Any] = (
+        {"sasl_oauth_token_provider": token_provider}
+        if mechanism == "OAUTHBEARER"
+        else {
+            "sasl_username": secured.kafka_user,
+            "sasl_password": SecretStr(secret(password or secured.kafka_password)),
+        }
+    )
     kafka = KafkaSettings(
         security_protocol="SASL_SSL",
         sasl_mechanism=mechanism,  # type: ignore[arg-type]
-        sasl_username=secured.kafka_user,
-        sasl_password=SecretStr(secret(password or secured.kafka_password)),
         ssl_ca_file=ca_file or secured.ca_file,
         client_id="outbox-security-tests",
+        **credentials,
     )
     return settings.model_copy(
         update={"kafka_bootstrap_servers": secured.kafka_sasl_ssl, "kafka": kafka, **update}

@@ -6,6 +6,7 @@ the password, and a daemon that exits (code 2) instead of retrying forever."""
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from pathlib import Path
 
@@ -13,7 +14,7 @@ import pytest
 from aiokafka.admin import NewTopic
 from sqlalchemy import Engine, text
 
-from outbox import Message, Outbox
+from outbox import Message, Outbox, migrate
 from outbox.daemon import kafka_admin, kafka_consumer, kafka_producer, start_kafka
 from outbox.errors import ConfigurationError, ConnectionRefused
 from outbox.ops.kafka_probe import KafkaProbe
@@ -59,10 +60,19 @@ def count(engine: Engine, sql: str, **params: object) -> int:
         return int(conn.execute(text(sql), params).scalar_one())
 
 
+@pytest.mark.parametrize("mechanism", ["SCRAM-SHA-512", "OAUTHBEARER"])
 async def test_round_trip_producer_relay_consumer_dlq_lag_doctor(
-    sasl_settings: OutboxSettings, engine: Engine, daemons: list[Daemon], tmp_path: Path
+    base_settings: OutboxSettings,
+    secured: Secured,
+    engine: Engine,
+    daemons: list[Daemon],
+    tmp_path: Path,
+    mechanism: str,
 ) -> None:
-    s = sasl_settings
+    s = sasl_ssl(
+        base_settings, secured, mechanism=mechanism, table_prefix=f"s{uuid.uuid4().hex[:8]}_"
+    )
+    migrate.upgrade(s)
     topic = await create_topic(s)
     consumer = f"sec-consumer-{uuid.uuid4().hex[:6]}"
     effects = f"sec_effects_{uuid.uuid4().hex[:8]}"
@@ -124,7 +134,7 @@ async def test_round_trip_producer_relay_consumer_dlq_lag_doctor(
     assert kafka and kafka[0]["level"] == "ok", doctor.stdout
     tls = {f["details"]["service"]: f for f in findings if f["check"] == "tls"}
     assert tls["kafka"]["details"]["tls"] is True
-    assert "SASL_SSL (SCRAM-SHA-512)" in tls["kafka"]["what"]
+    assert f"SASL_SSL ({mechanism})" in tls["kafka"]["what"]
     assert any(f["check"] == "topic" and f["level"] == "ok" for f in findings), doctor.stdout
 
     assert relay.stop() == 0 and consume.stop() == 0
@@ -136,6 +146,10 @@ CASES = {
     "wrong password": ("authentication failed", {"password": WRONG}),
     "untrusted CA": ("certificate verify failed", {"ca_file": "untrusted"}),
     "plaintext on the TLS port": ("wrong protocol?", {"plaintext": True}),
+    "expired OAUTHBEARER token": (
+        "authentication failed (OAUTHBEARER",
+        {"token_provider": "tests.support.oauth_tokens:Expired"},
+    ),
 }
 
 
@@ -146,6 +160,10 @@ def refused_settings(base: OutboxSettings, secured: Secured, case: str) -> Outbo
         return base.model_copy(
             update={"kafka_bootstrap_servers": secured.kafka_sasl_ssl, "kafka": KafkaSettings()}
             | prefix
+        )
+    if how.get("token_provider"):
+        return sasl_ssl(
+            base, secured, mechanism="OAUTHBEARER", token_provider=how["token_provider"], **prefix
         )
     ca = secured.untrusted_ca_file if how.get("ca_file") else None
     return sasl_ssl(base, secured, password=how.get("password"), ca_file=ca, **prefix)
@@ -165,9 +183,26 @@ async def test_a_refused_client_gets_a_typed_error_naming_the_cause(
     assert cause in str(caught.value) and caught.value.service == "Kafka"
     assert secured.kafka_password not in str(caught.value) and WRONG not in str(caught.value)
     # the operator tools say the same
-    with pytest.raises(ConnectionRefused, match=cause.replace("?", r"\?")):
+    with pytest.raises(ConnectionRefused, match=re.escape(cause)):
         async with KafkaProbe(s):
             pass
+
+
+def relay_and_consumer(daemons: list[Daemon], s: OutboxSettings, tmp_path: Path) -> list[Daemon]:
+    """The relay and a consumer started with ``s``, expected to refuse to run."""
+    return [
+        run_daemon(daemons, s, tmp_path, "relay"),
+        run_daemon(
+            daemons,
+            s,
+            tmp_path,
+            "consume",
+            "tests.support.secured_apps:app",
+            SECURED_TEST_CONSUMER=f"refused-{uuid.uuid4().hex[:6]}",
+            SECURED_TEST_TOPIC="refused-topic",
+            SECURED_TEST_EFFECTS="unused",
+        ),
+    ]
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -178,23 +213,10 @@ def test_daemons_exit_with_the_cause_instead_of_retrying(
     tmp_path: Path,
     case: str,
 ) -> None:
-    from outbox import migrate
-
     s = refused_settings(base_settings, secured, case)
     migrate.upgrade(s)
     cause = CASES[case][0]
-    relay = run_daemon(daemons, s, tmp_path, "relay")
-    consume = run_daemon(
-        daemons,
-        s,
-        tmp_path,
-        "consume",
-        "tests.support.secured_apps:app",
-        SECURED_TEST_CONSUMER=f"refused-{uuid.uuid4().hex[:6]}",
-        SECURED_TEST_TOPIC="refused-topic",
-        SECURED_TEST_EFFECTS="unused",
-    )
-    for daemon in (relay, consume):
+    for daemon in relay_and_consumer(daemons, s, tmp_path):
         code = daemon.wait(90)
         out = daemon.output()
         assert code == 2, f"{daemon.args[0]} still running or exit {code}:\n{out[-3000:]}"
@@ -202,6 +224,23 @@ def test_daemons_exit_with_the_cause_instead_of_retrying(
     doctor = cli(s, "doctor", "--json")
     kafka = [f for f in json.loads(doctor.stdout) if f["check"] == "kafka"]
     assert kafka[0]["level"] == "error" and cause in kafka[0]["what"], doctor.stdout
+
+
+def test_a_token_provider_that_cannot_be_loaded_stops_the_daemons_at_once(
+    base_settings: OutboxSettings, secured: Secured, daemons: list[Daemon], tmp_path: Path
+) -> None:
+    s = sasl_ssl(
+        base_settings,
+        secured,
+        mechanism="OAUTHBEARER",
+        token_provider="tests.support.oauth_tokens:not_a_provider",
+    )
+    for daemon in relay_and_consumer(daemons, s, tmp_path):
+        assert daemon.wait(30) == 2, daemon.output()[-3000:]
+        out = daemon.output()
+        assert "OUTBOX_KAFKA__SASL_OAUTH_TOKEN_PROVIDER" in out and "AbstractTokenProvider" in out
+        # before it takes lanes or joins a group
+        assert "acquired lanes" not in out and "assigned" not in out, out[-3000:]
 
 
 def test_secrets_stay_out_of_config_show(sasl_settings: OutboxSettings, secured: Secured) -> None:

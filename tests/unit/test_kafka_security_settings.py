@@ -16,10 +16,12 @@ from outbox.daemon import (
     kafka_consumer,
     kafka_options,
     kafka_producer,
+    token_provider,
     with_client_options,
 )
 from outbox.errors import ConfigurationError
 from outbox.settings import OutboxSettings, load_settings
+from tests.support import oauth_tokens
 
 PASSWORD = "unit-secret-Zq81"
 
@@ -82,7 +84,16 @@ def test_hostname_check_can_be_turned_off(tmp_path: Path) -> None:
         ({"security_protocol": "SASL_SSL"}, "sasl_username and sasl_password"),
         ({"security_protocol": "SASL_SSL", "sasl_username": "u"}, "sasl_password"),
         ({"security_protocol": "TLS"}, "kafka.security_protocol"),
-        ({"sasl_mechanism": "OAUTHBEARER"}, "kafka.sasl_mechanism"),
+        ({"sasl_mechanism": "GSSAPI"}, "kafka.sasl_mechanism"),
+        (
+            {"security_protocol": "SASL_SSL", "sasl_mechanism": "OAUTHBEARER"},
+            "needs sasl_oauth_token_provider",
+        ),
+        ({"sasl_oauth_token_provider": "tokens:valid"}, "with sasl_mechanism OAUTHBEARER"),
+        (
+            {"sasl_mechanism": "OAUTHBEARER", "sasl_oauth_token_provider": "no-colon"},
+            "is MODULE:ATTR",
+        ),
         ({"ssl_ca_file": "/no/such/ca.pem"}, "kafka.ssl_ca_file"),
         ({"options": {"sasl_plain_password": PASSWORD}}, "kafka.options"),
         ({"options": {"bootstrap_servers": "x:1"}}, "own setting"),
@@ -150,3 +161,43 @@ def test_the_safe_database_url_masks_a_tls_key_password() -> None:
     )
     assert PASSWORD not in s.safe_database_url
     assert "sslmode=verify-full" in s.safe_database_url
+
+
+def oauth(provider: str) -> OutboxSettings:
+    return OutboxSettings(
+        kafka={  # type: ignore[arg-type]
+            "security_protocol": "SASL_SSL",
+            "sasl_mechanism": "OAUTHBEARER",
+            "sasl_oauth_token_provider": provider,
+        }
+    )
+
+
+def test_oauthbearer_clients_share_the_named_token_provider() -> None:
+    options = kafka_options(oauth("tests.support.oauth_tokens:valid"))
+    assert options["sasl_mechanism"] == "OAUTHBEARER"
+    assert options["sasl_oauth_token_provider"] is oauth_tokens.valid
+    assert "sasl_plain_username" not in options and "sasl_plain_password" not in options
+    # a class (or function) is called once per process: every client shares its token cache
+    made = token_provider("tests.support.oauth_tokens:Expired")
+    assert isinstance(made, oauth_tokens.Expired)
+    assert (
+        kafka_options(oauth("tests.support.oauth_tokens:Expired"))["sasl_oauth_token_provider"]
+        is made
+    )
+
+
+@pytest.mark.parametrize(
+    ("target", "says"),
+    [
+        ("no_such_module_xyz:provider", "cannot import 'no_such_module_xyz'"),
+        ("tests.support.oauth_tokens:missing", "has no attribute 'missing'"),
+        ("tests.support.oauth_tokens:not_a_provider", "not an aiokafka.abc.AbstractTokenProvider"),
+    ],
+)
+def test_a_token_provider_that_cannot_be_used_is_a_configuration_error(
+    target: str, says: str
+) -> None:
+    with pytest.raises(ConfigurationError, match="OUTBOX_KAFKA__SASL_OAUTH_TOKEN_PROVIDER") as e:
+        kafka_producer(oauth(target))
+    assert says in str(e.value)
