@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import inspect
 import json
 import signal
@@ -20,10 +19,8 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Protocol
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-import aiokafka.conn
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka import errors as kerr
-from aiokafka.abc import AbstractTokenProvider
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.conn import create_conn
 from aiokafka.errors import (
@@ -38,7 +35,7 @@ from prometheus_client import CollectorRegistry, make_wsgi_app
 from pydantic import SecretStr
 
 from outbox.errors import BrokerRefused, ConfigurationError
-from outbox.imports import import_target
+from outbox.oauthbearer import TokenUnavailable, token_provider
 from outbox.settings import KafkaSettings, OutboxSettings
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -66,47 +63,6 @@ def kafka_options(settings: OutboxSettings) -> dict[str, Any]:
             options["sasl_plain_username"] = k.sasl_username
             options["sasl_plain_password"] = k.sasl_password.get_secret_value()
     return options
-
-
-class _OAuthExchange(aiokafka.conn.OAuthAuthenticator):  # type: ignore[misc]
-    """aiokafka's OAUTHBEARER exchange, finished as RFC 7628 (3.2.3) says. A broker that
-    rejects the token answers with an error challenge ({"status": "invalid_token"}) and
-    fails the authentication only after the client replies %x01. aiokafka (0.14) stops
-    after sending the token, so a rejected token looked like a success, followed by a
-    broker that never answered: clients retried metadata forever instead of failing with
-    SaslAuthenticationFailed."""
-
-    async def step(self, payload: bytes | None) -> tuple[bytes, bool] | None:
-        if self._token_sent and payload:
-            return b"\x01", True
-        result: tuple[bytes, bool] | None = await super().step(payload)
-        return result
-
-
-@functools.cache
-def token_provider(target: str) -> AbstractTokenProvider:
-    """The OAUTHBEARER token provider ``MODULE:ATTR`` names: an instance, or a class or
-    function returning one. One per process, shared by every client: a provider caches and
-    refreshes its token, and each client asks it at every (re)connection."""
-    aiokafka.conn.OAuthAuthenticator = _OAuthExchange  # what every connection's exchange uses
-    setting = "OUTBOX_KAFKA__SASL_OAUTH_TOKEN_PROVIDER"
-    try:
-        found = import_target(target)
-    except ValueError as exc:
-        raise ConfigurationError(f"{setting}: {exc}") from None
-    if callable(found) and not isinstance(found, AbstractTokenProvider):
-        try:
-            found = found()
-        except Exception as exc:
-            raise ConfigurationError(
-                f"{setting}: {target}() failed: {type(exc).__name__}: {str(exc)[:200]}"
-            ) from None
-    if not isinstance(found, AbstractTokenProvider):
-        raise ConfigurationError(
-            f"{setting}: {target} is not an aiokafka.abc.AbstractTokenProvider "
-            f"(got {type(found).__name__})"
-        )
-    return found
 
 
 def kafka_environment(settings: OutboxSettings) -> dict[str, str]:
@@ -231,6 +187,8 @@ async def security_refusal(settings: OutboxSettings) -> BrokerRefused | None:
             f"TLS handshake failed ({exc.reason or type(exc).__name__}): wrong protocol?",
             f"OUTBOX_KAFKA__SECURITY_PROTOCOL is {k.security_protocol}; the port may not speak TLS",
         )
+    except TokenUnavailable:  # the identity provider's trouble, not a refusal: retried
+        return None
     except (KafkaConnectionError, TimeoutError, ConnectionResetError):
         # Connected, then the broker hung up (or never answered) on the first bytes: a
         # plaintext client talking to a TLS listener, or the other way round.

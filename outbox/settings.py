@@ -270,8 +270,9 @@ class KafkaSettings(_Section):
                 f"security_protocol {self.security_protocol} needs sasl_username and "
                 "sasl_password (OUTBOX_KAFKA__SASL_USERNAME, OUTBOX_KAFKA__SASL_PASSWORD)"
             )
+        module, _, attribute = (self.sasl_oauth_token_provider or "").partition(":")
         if self.sasl_oauth_token_provider is not None and (
-            not oauth or ":" not in self.sasl_oauth_token_provider
+            not oauth or not module or not attribute
         ):
             raise ValueError(
                 "sasl_oauth_token_provider is MODULE:ATTR, used with sasl_mechanism OAUTHBEARER"

@@ -95,6 +95,10 @@ MAX_KEY_LENGTH = 255
 # retried a few times, then reported as in progress.
 _CLAIM_ROUNDS = 3
 _MESSAGE_LIMIT = 500
+# The ledger's own connection runs in transactions whatever the engine's default: under
+# AUTOCOMMIT the row lock that keeps a second caller off the key during the call would end
+# with its statement.
+_ISOLATION = "READ COMMITTED"
 
 
 class _NotApplied:
@@ -326,15 +330,23 @@ class Effects:
             reconcilable=reconcilable,
         )
 
-    def _delay(self, attempts: int, exc: BaseException, started: float) -> float | None:
-        """Seconds before the next attempt, or None when the policy says stop."""
+    def _delay(
+        self, attempts: int, exc: BaseException, started: float, lease: timedelta
+    ) -> float | None:
+        """Seconds before the next attempt, or None when the policy says stop.
+
+        The wait holds the row lock and an idle transaction, so it never exceeds the lease:
+        a longer ``Retry-After`` ends the attempts (the caller may come back later)."""
         policy = self.policy
         if attempts >= policy.max_attempts:
             return None
         delay = policy.backoff(attempts - 1)
         hint = retry_after_of(exc, policy.wall_clock())
         if hint is not None:
+            if hint > lease.total_seconds():
+                return None
             delay = max(delay, hint)
+        delay = min(delay, lease.total_seconds())
         if policy.max_total_delay_seconds is not None:
             remaining = policy.max_total_delay_seconds - (time.monotonic() - started)
             if remaining <= 0 or (hint is not None and hint > remaining):
@@ -417,6 +429,12 @@ class Effects:
         attempts = 0
         while True:
             attempts += 1
+            if attempts > 1 and (yield _Sql(store.lock_owned, owner)).first() is None:
+                # Still ours? While this transaction lives, its lock keeps the row; if the
+                # connection died during the wait (idle-in-transaction timeout, network,
+                # failover), the statement fails and nothing is called: a later caller
+                # reconciles. Never call on a lock that may be gone.
+                raise EffectLeaseLost(key)
             tracing.set_current_attributes({tracing.ATTEMPT: attempts})
             try:
                 try:
@@ -443,7 +461,7 @@ class Effects:
                     self.metrics.unknown.inc()
                     raise EffectOutcomeUnknown(key, describe(exc)) from exc
                 yield _Sql(store.attempt_failed, store.error_params(key, describe(exc)))
-                delay = self._delay(attempts, exc, started)
+                delay = self._delay(attempts, exc, started, e.lease)
                 if kind is EffectClass.AMBIGUOUS:
                     # Give an in-flight request time to land, then ask before calling again.
                     yield _Sleep(delay if delay is not None else self.policy.base_seconds)
@@ -563,6 +581,7 @@ class Effects:
             key, payload, dependency, window, lease, classify, reconcile is not None
         )
         with engine.connect() as conn, _Feeder(self._steps(effect)) as feed:
+            conn.execution_options(isolation_level=_ISOLATION)
             while not isinstance(step := feed.next(), _Finished):
                 try:
                     if isinstance(step, _Sql):
@@ -602,6 +621,7 @@ class Effects:
             key, payload, dependency, window, lease, classify, reconcile is not None
         )
         async with engine.connect() as conn:
+            await conn.execution_options(isolation_level=_ISOLATION)
             with _Feeder(self._steps(effect)) as feed:
                 while not isinstance(step := feed.next(), _Finished):
                     try:

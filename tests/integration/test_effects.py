@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 from prometheus_client import CollectorRegistry
-from sqlalchemy import Engine, event, select, update
+from sqlalchemy import Engine, event, select, text, update
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from examples.agent_tools.client import ProviderClient
@@ -35,6 +35,7 @@ from outbox.effects import (
     EffectResultInvalid,
     Effects,
 )
+from outbox.errors import OutboxError
 from outbox.ops.cleanup import Retention, run_cleanup
 from outbox.resilience import (
     CircuitBreaker,
@@ -476,3 +477,121 @@ def test_a_claim_taken_over_before_its_call_is_lease_lost_and_calls_nothing(
     assert raised.value.retriable and calls == []
     row = record(engine, settings, key)
     assert row.state == "pending" and row.attempts == 0, "the new owner's claim is untouched"
+
+
+def test_an_autocommit_engine_still_keeps_a_second_caller_off_the_key(
+    effects: Effects, settings: OutboxSettings
+) -> None:
+    # Under AUTOCOMMIT the row lock would end with its statement, and a call outlasting its
+    # lease would be made twice. The ledger runs its own connection in transactions.
+    autocommit = sync_engine(settings, isolation_level="AUTOCOMMIT")
+    key, calls, outcome = new_key(), [], {}
+
+    def slow(_key: str) -> dict[str, str]:
+        calls.append("owner")
+        time.sleep(2.0)
+        return {"by": "owner"}
+
+    def owner() -> None:
+        outcome["owner"] = effects.run(
+            autocommit, key=key, payload=ARGS, call=slow, lease=timedelta(seconds=0.5)
+        )
+
+    thread = threading.Thread(target=owner)
+    thread.start()
+    try:
+        time.sleep(1.0)  # the owner is calling, past its lease
+        with pytest.raises(EffectInProgress):
+            effects.run(
+                autocommit,
+                key=key,
+                payload=ARGS,
+                call=lambda _k: calls.append("second"),
+                reconcile=lambda _k: NOT_APPLIED,
+                lease=timedelta(seconds=0.5),
+            )
+    finally:
+        thread.join(10)
+        autocommit.dispose()
+    assert calls == ["owner"] and outcome["owner"] == {"by": "owner"}
+
+
+def test_a_connection_lost_during_the_backoff_calls_nothing_more(
+    settings: OutboxSettings, engine: Engine
+) -> None:
+    # The owner's session dies while it waits to retry (an idle-in-transaction timeout, a
+    # network cut): its row lock is gone, its lease too, and another caller reconciles and
+    # calls. When the owner wakes, it must not call again.
+    key, calls = new_key(), []
+    table = build_tables(settings).effects.name
+    owner_engine = sync_engine(settings)
+
+    def refused_then_ok(_key: str) -> dict[str, int]:
+        calls.append("owner")
+        if calls.count("owner") == 1:
+            raise ConnectionRefusedError(111, "connection refused")  # retryable
+        return {"by": "owner"}
+
+    def cut_and_take_over(_seconds: float) -> None:
+        with engine.begin() as conn:
+            killed = conn.execute(
+                text(
+                    "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                    "WHERE datname = current_database() AND pid <> pg_backend_pid() "
+                    "AND state = 'idle in transaction' AND query LIKE :q"
+                ),
+                {"q": f"%{table}%"},
+            ).scalar_one()
+        assert killed == 1
+        time.sleep(0.6)  # past the owner's lease
+        second = Effects(settings, registry=CollectorRegistry())
+        taken = second.run(
+            engine,
+            key=key,
+            payload=ARGS,
+            call=lambda _k: calls.append("second") or {"by": "second"},
+            reconcile=lambda _k: NOT_APPLIED,
+        )
+        assert taken == {"by": "second"}
+
+    owner = Effects(
+        settings,
+        policy=RetryPolicy(base_seconds=0.01, cap_seconds=0.01, max_attempts=3),
+        registry=CollectorRegistry(),
+        sleep=cut_and_take_over,
+    )
+    try:
+        with pytest.raises(OutboxError):
+            owner.run(
+                owner_engine,
+                key=key,
+                payload=ARGS,
+                call=refused_then_ok,
+                reconcile=lambda _k: NOT_APPLIED,
+                lease=timedelta(seconds=0.5),
+            )
+    finally:
+        owner_engine.dispose()
+    assert calls == ["owner", "second"]
+    assert record(engine, settings, key).result == {"by": "second"}
+
+
+def test_a_retry_after_longer_than_the_lease_ends_the_attempts_and_frees_the_key(
+    effects: Effects, settings: OutboxSettings, engine: Engine
+) -> None:
+    # Waiting would hold the row lock in an idle transaction for a minute: stop instead,
+    # with nothing applied (429 is retryable: not processed), and let the caller come back.
+    key, calls = new_key(), []
+
+    class Throttled(ConnectionRefusedError):
+        retry_after = 60.0
+
+    def throttled(_key: str) -> None:
+        calls.append(1)
+        raise Throttled(111, "slow down")
+
+    started = time.monotonic()
+    with pytest.raises(Throttled):
+        effects.run(engine, key=key, payload=ARGS, call=throttled, lease=timedelta(seconds=5))
+    assert time.monotonic() - started < 5 and calls == [1]
+    assert record(engine, settings, key) is None

@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka.abc import AbstractTokenProvider
 from aiokafka.admin import AIOKafkaAdminClient
+from aiokafka.errors import KafkaConnectionError
 from pydantic import SecretStr
 
 from outbox.daemon import (
@@ -16,10 +18,10 @@ from outbox.daemon import (
     kafka_consumer,
     kafka_options,
     kafka_producer,
-    token_provider,
     with_client_options,
 )
 from outbox.errors import ConfigurationError
+from outbox.oauthbearer import TokenUnavailable, _OAuthExchange, token_provider
 from outbox.settings import OutboxSettings, load_settings
 from tests.support import oauth_tokens
 
@@ -94,6 +96,7 @@ def test_hostname_check_can_be_turned_off(tmp_path: Path) -> None:
             {"sasl_mechanism": "OAUTHBEARER", "sasl_oauth_token_provider": "no-colon"},
             "is MODULE:ATTR",
         ),
+        ({"sasl_mechanism": "OAUTHBEARER", "sasl_oauth_token_provider": "mod:"}, "MODULE:ATTR"),
         ({"ssl_ca_file": "/no/such/ca.pem"}, "kafka.ssl_ca_file"),
         ({"options": {"sasl_plain_password": PASSWORD}}, "kafka.options"),
         ({"options": {"bootstrap_servers": "x:1"}}, "own setting"),
@@ -176,15 +179,48 @@ def oauth(provider: str) -> OutboxSettings:
 def test_oauthbearer_clients_share_the_named_token_provider() -> None:
     options = kafka_options(oauth("tests.support.oauth_tokens:valid"))
     assert options["sasl_mechanism"] == "OAUTHBEARER"
-    assert options["sasl_oauth_token_provider"] is oauth_tokens.valid
+    assert options["sasl_oauth_token_provider"].provider is oauth_tokens.valid
     assert "sasl_plain_username" not in options and "sasl_plain_password" not in options
     # a class (or function) is called once per process: every client shares its token cache
     made = token_provider("tests.support.oauth_tokens:Expired")
-    assert isinstance(made, oauth_tokens.Expired)
+    assert isinstance(made.provider, oauth_tokens.Expired)
     assert (
         kafka_options(oauth("tests.support.oauth_tokens:Expired"))["sasl_oauth_token_provider"]
         is made
     )
+
+
+class _Failing(AbstractTokenProvider):
+    async def token(self) -> str:
+        raise RuntimeError("identity provider answered 503")
+
+
+failing = _Failing()
+
+
+async def test_a_failing_provider_is_a_connection_error_to_aiokafka() -> None:
+    # aiokafka retries connection errors; anything else would end its background task.
+    guarded = token_provider("tests.unit.test_kafka_security_settings:failing")
+    with pytest.raises(TokenUnavailable, match="RuntimeError: identity provider answered 503"):
+        await guarded.token()
+    assert issubclass(TokenUnavailable, KafkaConnectionError)
+
+
+async def test_a_rejected_token_gets_the_rfc_7628_reply_that_makes_the_broker_say_so() -> None:
+    def exchange() -> _OAuthExchange:
+        return _OAuthExchange(sasl_oauth_token_provider=oauth_tokens.valid)
+
+    rejected = exchange()
+    first = await rejected.step(None)
+    assert first is not None and first[0].startswith(b"n,,\x01auth=Bearer ")
+    assert await rejected.step(b'{"status":"invalid_token"}') == (b"\x01", True)
+    assert await rejected.step(b"") is None  # once only; the broker's error ends it
+    accepted = exchange()
+    await accepted.step(None)
+    assert await accepted.step(b"") is None  # success: an empty answer
+    odd = exchange()
+    await odd.step(None)
+    assert await odd.step(b"not json") is None
 
 
 @pytest.mark.parametrize(
