@@ -118,7 +118,8 @@ class ConsumerDaemon:
         # The app's own Kafka options (TLS, SASL, tuning) reach the admin client and the
         # dead-letter producer too, not only the consumer.
         settings = with_client_options(self.settings, self.app.kafka_options)
-        await ensure_topics(settings, self.app.topics)
+        if not await self._topics_ready(settings, stop):
+            return
         options: dict[str, Any] = {
             "auto_offset_reset": "earliest",
             "max_poll_records": config.max_batch_records,
@@ -213,6 +214,23 @@ class ConsumerDaemon:
                     await asyncio.wait_for(stop.wait(), delay)
         finally:
             await engine.dispose()
+
+    async def _topics_ready(self, settings: OutboxSettings, stop: asyncio.Event) -> bool:
+        """Check the topics (and create the dead-letter ones): a refusal or a missing topic
+        raises at once; while Kafka is merely unreachable, wait with backoff. False when
+        stopped meanwhile."""
+        while True:
+            try:
+                await ensure_topics(settings, self.app.topics)
+                self.kafka.ok()
+                return True
+            except BrokerUnavailable as exc:
+                self.kafka.failed(_cause(exc))
+            if stop.is_set():
+                return False
+            delay = self._policy.backoff(min(self.kafka.failures, 10))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), delay)
 
     async def _watch_kafka(self, kafka: AIOKafkaConsumer) -> None:
         """Ask for metadata now and then: the fetch loop does not see an outage (aiokafka
@@ -420,10 +438,11 @@ class _Lane:
                 try:
                     if not await self._together():
                         await self.processor.process(self.queued)
-                    if failures:
-                        self.daemon.database.ok()
-                        if down is self.daemon.kafka:
-                            self.daemon.kafka.ok()
+                    # Any lane's success says the database is back (the lane that saw it
+                    # go may have lost its partition meanwhile).
+                    self.daemon.database.ok()
+                    if failures and down is self.daemon.kafka:
+                        self.daemon.kafka.ok()
                     failures = 0
                 except Exception as exc:
                     if not _transient(exc):

@@ -594,3 +594,12 @@ class InboxStore:
         keys = self._dead_letter_query(f).with_only_columns(t.c.consumer, t.c.event_id)
         result = await db.execute(delete(t).where(tuple_(t.c.consumer, t.c.event_id).in_(keys)))
         return int(result.rowcount)  # type: ignore[attr-defined]
+
+    def forget_consumer(self, consumer: str) -> list[Any]:
+        """Statements deleting everything the inbox keeps for ``consumer`` (its processed
+        events, attempt markers, dead letters, sequences): a test harness starts afresh."""
+        t = self.tables
+        return [
+            delete(table).where(table.c.consumer == consumer)
+            for table in (t.inbox, t.inbox_attempts, t.dead_letters, t.inbox_sequences)
+        ]

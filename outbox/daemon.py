@@ -257,6 +257,18 @@ def kafka_refusal(exc: BaseException) -> BrokerRefused | None:
     return None
 
 
+def topic_error(response: Any, name: str) -> KafkaError | None:
+    """The error a CreateTopics answer gives for ``name`` (aiokafka returns per-topic error
+    codes instead of raising), or None."""
+    for entry in response.topic_errors:
+        topic, code = entry[0], entry[1]
+        if topic == name and code != 0:
+            message = entry[2] if len(entry) > 2 else None
+            error: KafkaError = kerr.for_code(code)(message) if message else kerr.for_code(code)()
+            return error
+    return None
+
+
 # --------------------------------------------------------------------- metrics and health
 
 

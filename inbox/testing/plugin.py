@@ -10,7 +10,8 @@
   published (see :mod:`outbox.testing`).
 * ``inbox_app``: the consumer app under test; name it in ``conftest.py`` with
   ``inbox_app = app_fixture(app)`` (or the ini option ``inbox_app = module:attribute``).
-* ``inbox_harness``: an :class:`~inbox.testing.harness.InboxHarness` for ``inbox_app``.
+* ``inbox_harness``: an :class:`~inbox.testing.harness.InboxHarness` for ``inbox_app``;
+  after each test the inbox forgets that consumer (processed events, dead letters, sequences).
 
 Nothing here needs an async plugin: the harness is created synchronously and opens its
 connections inside the test's own event loop.
@@ -26,11 +27,13 @@ import pytest
 from sqlalchemy import Engine
 
 from inbox.app import Consumer
+from inbox.store import InboxStore
 from inbox.testing.harness import InboxHarness
 from outbox import migrate
 from outbox.db import sync_engine
 from outbox.imports import import_target
 from outbox.settings import OutboxSettings, load_settings
+from outbox.tables import build_tables
 from outbox.testing import PublishedEvent, published
 
 
@@ -91,5 +94,12 @@ def inbox_app(request: pytest.FixtureRequest) -> Consumer:
 
 
 @pytest.fixture
-def inbox_harness(inbox_app: Consumer, outbox_settings: OutboxSettings) -> InboxHarness:
-    return InboxHarness(inbox_app, outbox_settings)
+def inbox_harness(
+    inbox_app: Consumer, outbox_settings: OutboxSettings, outbox_engine: Engine
+) -> Iterator[InboxHarness]:
+    """A harness for ``inbox_app``; afterwards the inbox forgets the app's events, markers,
+    dead letters and sequences, so each test starts as if the consumer were new."""
+    yield InboxHarness(inbox_app, outbox_settings)
+    with outbox_engine.begin() as conn:
+        for statement in InboxStore(build_tables(outbox_settings)).forget_consumer(inbox_app.name):
+            conn.execute(statement)

@@ -21,11 +21,11 @@ from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-from aiokafka.errors import KafkaError, TopicAlreadyExistsError, for_code
+from aiokafka.errors import KafkaError, TopicAlreadyExistsError, TopicAuthorizationFailedError
 
 from outbox import identifiers
-from outbox.daemon import kafka_admin
-from outbox.errors import BrokerUnavailable, ConfigurationError
+from outbox.daemon import kafka_admin, kafka_refusal, start_kafka, topic_error
+from outbox.errors import BrokerRefused, BrokerUnavailable, ConfigurationError
 from outbox.settings import OutboxSettings
 
 Status = Literal["created", "exists", "too_few_partitions", "failed"]
@@ -105,7 +105,8 @@ async def ensure(settings: OutboxSettings, specs: Sequence[TopicSpec]) -> list[T
     admin = kafka_admin(settings, request_timeout_ms=int(_TIMEOUT_S * 1000))
     try:
         try:
-            await asyncio.wait_for(admin.start(), _TIMEOUT_S)
+            # (a refusal — credentials, TLS, protocol — is BrokerRefused: exit 2)
+            await asyncio.wait_for(start_kafka(admin, settings), _TIMEOUT_S * 3)
             brokers = len((await admin.describe_cluster())["brokers"])
             existing = await _partitions(admin, [s.name for s in wanted])
         except (KafkaError, OSError, TimeoutError) as exc:
@@ -151,13 +152,22 @@ async def _ensure_one(
     count = count or settings.topics.partitions
     try:
         response = await admin.create_topics([NewTopic(spec.name, count, replication)])
-        error = _topic_error(response, spec.name)
+        error = topic_error(response, spec.name)
     except KafkaError as exc:
         error = exc
     if isinstance(error, TopicAlreadyExistsError):  # created meanwhile by someone else
         now = (await _partitions(admin, [spec.name])).get(spec.name)
         return TopicResult(spec.name, "exists", now, spec.partitions, None)
     if error is not None:
+        # Not allowed to create topics: no other topic will do either.
+        if isinstance(error, TopicAuthorizationFailedError):
+            raise BrokerRefused(
+                f"Kafka refused to create topic {spec.name!r}: {type(error).__name__}; grant "
+                "this client CREATE on it (or create it another way)"
+            )
+        refused = kafka_refusal(error)
+        if refused is not None:
+            raise refused
         return TopicResult(
             spec.name, "failed", None, spec.partitions, replication, _describe(error)
         )
@@ -170,16 +180,6 @@ async def _partitions(admin: AIOKafkaAdminClient, names: list[str]) -> dict[str,
         if t["error_code"] != _UNKNOWN_TOPIC and t["partitions"]:
             found[t["topic"]] = len(t["partitions"])
     return found
-
-
-def _topic_error(response: Any, name: str) -> KafkaError | None:
-    for entry in response.topic_errors:
-        topic, code = entry[0], entry[1]
-        if topic == name and code != 0:
-            message = entry[2] if len(entry) > 2 else None
-            error: KafkaError = for_code(code)(message) if message else for_code(code)()
-            return error
-    return None
 
 
 def _describe(error: BaseException) -> str:

@@ -164,3 +164,32 @@ def test_a_daemon_whose_topic_is_missing_at_start_exits_2(
     assert proc.returncode == 2, text
     assert f"Kafka topic '{missing}' does not exist" in text and "outbox topics ensure" in text
     assert "Traceback" not in text
+
+
+def test_a_consumer_started_while_kafka_is_down_waits_for_it_and_stops_cleanly(
+    settings: OutboxSettings,
+) -> None:
+    # Kafka down at start is an outage, not a configuration error: the consumer waits
+    # (one line), and SIGTERM still ends it cleanly.
+    down = Cli(
+        settings.model_copy(update={"kafka_bootstrap_servers": f"127.0.0.1:{_closed_port()}"})
+    )
+    proc = subprocess.Popen(
+        down.command("consume", "examples.shop.consumer:app"),
+        cwd=ROOT,
+        env=down.env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        time.sleep(8)
+        still_running = proc.poll() is None
+        proc.terminate()
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert still_running, out
+    assert proc.returncode == 0, out
+    assert out.count("Kafka unavailable") == 1 and "Traceback" not in out, out

@@ -224,6 +224,8 @@ def test_daemons_exit_with_the_cause_instead_of_retrying(
     doctor = cli(s, "doctor", "--json")
     kafka = [f for f in json.loads(doctor.stdout) if f["check"] == "kafka"]
     assert kafka[0]["level"] == "error" and cause in kafka[0]["what"], doctor.stdout
+    ensure = cli(s, "topics", "ensure", "--topic", "refused-topic")
+    assert ensure.returncode == 2 and cause in ensure.stderr, ensure.stderr
 
 
 def test_a_token_provider_that_cannot_be_loaded_stops_the_daemons_at_once(

@@ -81,3 +81,24 @@ async def test_an_event_type_without_handler_is_skipped(
     delivery = await inbox_harness.deliver("order.refunded", {"order_id": "o"}, key="o")
     assert delivery.outcome == "skipped"
     assert not inbox_harness.dead_letters
+
+
+# Fixed ids, as tests often have: each test starts with a consumer that has seen nothing
+# (the plugin's harness forgets the inbox after every test), so both are handled.
+FIXED_EVENT_ID = "8c4e6c0e-0000-4000-8000-000000000001"
+
+
+async def test_a_fixed_event_id_is_new_in_this_test(inbox_harness: InboxHarness) -> None:
+    delivery = await inbox_harness.deliver(
+        "order.created", _created("ord-fixed"), key="ord-fixed", event_id=FIXED_EVENT_ID
+    )
+    assert delivery.outcome == "handled"
+
+
+async def test_the_same_fixed_event_id_is_new_in_this_test_too(
+    inbox_harness: InboxHarness,
+) -> None:
+    delivery = await inbox_harness.deliver(
+        "order.created", _created("ord-fixed"), key="ord-fixed", event_id=FIXED_EVENT_ID
+    )
+    assert delivery.outcome == "handled"
