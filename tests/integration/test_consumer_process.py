@@ -13,6 +13,8 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
+from aiokafka.admin import AIOKafkaAdminClient
+from aiokafka.admin import NewTopic as KafkaTopic
 from sqlalchemy import Engine
 
 from outbox.settings import OutboxSettings
@@ -285,3 +287,30 @@ async def test_dlq_cli_lists_shows_and_replays(
         consumer.send_signal(signal.SIGTERM)
         assert await _wait_exit(consumer) == 0
     assert effect_counts(engine, table) == {}
+
+
+async def test_a_dead_letter_kafka_refuses_stops_the_consumer_with_the_cause(
+    settings: OutboxSettings, engine: Engine, new_topic: NewTopic, kafka_bootstrap: str
+) -> None:
+    # The dead-letter topic takes records up to 1,000 bytes; the poison event is 4,000.
+    # Retrying would send the same bytes forever: the consumer stops (exit 2) and says what
+    # to change, and the event stays unhandled (its offset uncommitted), so nothing is lost.
+    topic = await new_topic()
+    admin = AIOKafkaAdminClient(bootstrap_servers=kafka_bootstrap)
+    await admin.start()
+    try:
+        dlq = KafkaTopic(topic + ".dlq", 1, 1, topic_configs={"max.message.bytes": "1000"})
+        await admin.create_topics([dlq])
+    finally:
+        await admin.close()
+    group = f"c-{uuid.uuid4().hex[:8]}"
+    env = _app_env(settings, topic, effects_table(engine), group)
+    await produce(kafka_bootstrap, topic, [(b"k", b"{" + b"x" * 4000, ce_headers("big-1"))])
+    consumer = outbox_cli(["consume", TARGET], env)
+    code = await _wait_exit(consumer, within=90)
+    assert consumer.stderr is not None
+    err = consumer.stderr.read().decode()
+    assert code == 2, err
+    assert "MessageSizeTooLargeError" in err and "max.message.bytes" in err, err
+    assert "Traceback" not in err, err
+    assert await committed_offsets(kafka_bootstrap, group) == {}

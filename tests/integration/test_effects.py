@@ -24,7 +24,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from examples.agent_tools.client import ProviderClient
 from examples.agent_tools.provider import FakeProvider
-from outbox.db import sync_engine
+from outbox.db import async_engine, sync_engine
 from outbox.effects import (
     NOT_APPLIED,
     EffectConflict,
@@ -595,3 +595,39 @@ def test_a_retry_after_longer_than_the_lease_ends_the_attempts_and_frees_the_key
         effects.run(engine, key=key, payload=ARGS, call=throttled, lease=timedelta(seconds=5))
     assert time.monotonic() - started < 5 and calls == [1]
     assert record(engine, settings, key) is None
+
+
+async def test_an_autocommit_async_engine_still_keeps_a_second_caller_off_the_key(
+    effects: Effects, settings: OutboxSettings
+) -> None:
+    autocommit = async_engine(settings, isolation_level="AUTOCOMMIT")
+    key, calls = new_key(), []
+
+    async def slow(_key: str) -> dict[str, str]:
+        calls.append("owner")
+        await asyncio.sleep(2.0)
+        return {"by": "owner"}
+
+    async def second(_key: str) -> None:
+        calls.append("second")
+
+    owner = asyncio.create_task(
+        effects.run_async(
+            autocommit, key=key, payload=ARGS, call=slow, lease=timedelta(seconds=0.5)
+        )
+    )
+    try:
+        await asyncio.sleep(1.0)  # the owner is calling, past its lease
+        with pytest.raises(EffectInProgress):
+            await effects.run_async(
+                autocommit,
+                key=key,
+                payload=ARGS,
+                call=second,
+                reconcile=lambda _k: asyncio.sleep(0, NOT_APPLIED),
+                lease=timedelta(seconds=0.5),
+            )
+        assert await owner == {"by": "owner"}
+    finally:
+        await autocommit.dispose()
+    assert calls == ["owner"]
