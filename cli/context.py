@@ -8,6 +8,7 @@ through :func:`notice` — Rich text for humans, one JSON log record per message
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 from collections.abc import Callable, Iterator
@@ -25,6 +26,13 @@ from outbox.settings import OutboxSettings, load_settings
 console = Console(stderr=True)
 out = Console()
 T = TypeVar("T")
+
+
+def print_json(value: Any) -> None:
+    """``value`` as one line of JSON on stdout (no markup, no wrapping)."""
+    out.print(json.dumps(value), markup=False, highlight=False, soft_wrap=True)
+
+
 _log = logging.getLogger("outbox.cli")
 _json_logs = False
 

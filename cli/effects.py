@@ -11,7 +11,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from cli.context import error, notice, out, run, settings_of
+from cli.context import error, notice, out, print_json, run, settings_of
 from outbox.db import sync_engine
 from outbox.effects import EffectRecord, Effects
 from outbox.settings import OutboxSettings
@@ -38,10 +38,6 @@ def _with(settings: OutboxSettings, action: Callable[[Effects, Any], T]) -> T:
     return run(go)
 
 
-def _print_json(value: Any) -> None:
-    out.print(json.dumps(value), markup=False, highlight=False, soft_wrap=True)
-
-
 @app.command("list")
 def list_(
     ctx: typer.Context,
@@ -54,7 +50,7 @@ def list_(
         settings_of(ctx), lambda fx, engine: fx.records(engine, state, limit)
     )
     if as_json:
-        _print_json([r.to_dict() for r in records])
+        print_json([r.to_dict() for r in records])
         return
     table = Table("key", "state", "dependency", "attempts", "updated", "last error")
     for r in records:
@@ -81,7 +77,7 @@ def show(
     record: EffectRecord = _with(settings_of(ctx), lambda fx, engine: fx.get(engine, key))
     data = record.to_dict()
     if as_json:
-        _print_json(data)
+        print_json(data)
         return
     for name, value in data.items():
         shown = json.dumps(value) if name in ("result", "error") else value

@@ -23,7 +23,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from cli.context import error, notice, out, run, settings_of
+from cli.context import error, notice, out, print_json, run, settings_of
 from outbox.daemon import stop_on_signals
 from outbox.db import async_engine
 from outbox.errors import ConfigurationError
@@ -311,7 +311,7 @@ def doctor(
     options = _doctor_options(topics, idle_seconds, stale_after, kafka)
     findings = _with_engine(settings, lambda engine: diagnose(engine, settings, options))
     if as_json:
-        out.print(json.dumps(to_dicts(findings)), markup=False, highlight=False, soft_wrap=True)
+        print_json(to_dicts(findings))
     else:
         _print_findings(findings, show_ok=True)
     raise typer.Exit(exit_code(findings, strict))
@@ -342,7 +342,7 @@ def status(
             g.group: {"lag": g.total_lag, "dead_letters": g.dead_letters} for g in report.groups
         }
         data = {"totals": totals, "groups": groups, "problems": problems, "exit_code": code}
-        out.print(json.dumps(data), markup=False, highlight=False, soft_wrap=True)
+        print_json(data)
         raise typer.Exit(code)
     stale = len(report.relays) - len(report.live_relays)
     owned = report.lanes - len(report.unowned_lanes)
@@ -441,7 +441,7 @@ def cleanup(
         ),
     )
     if as_json:
-        out.print(json.dumps(report.to_dict()), markup=False, highlight=False, soft_wrap=True)
+        print_json(report.to_dict())
         return
     verb = "would delete" if dry_run else "deleted"
     for r in report.results:

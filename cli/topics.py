@@ -8,12 +8,11 @@ an app that cannot be loaded).
 from __future__ import annotations
 
 import asyncio
-import json
 
 import typer
 
 from cli.consume import load_consumer
-from cli.context import error, out, run, settings_of
+from cli.context import error, out, print_json, run, settings_of
 from outbox.ops.topics import TopicResult, TopicSpec, consumer_topics, ensure, relay_topics
 
 app = typer.Typer(help="Kafka topics the deployment needs.", no_args_is_help=True)
@@ -57,12 +56,7 @@ def ensure_command(
         raise typer.Exit(2)
     results = run(lambda: asyncio.run(ensure(settings, specs)))
     if as_json:
-        out.print(
-            json.dumps([r.to_dict() for r in results]),
-            markup=False,
-            highlight=False,
-            soft_wrap=True,
-        )
+        print_json([r.to_dict() for r in results])
     else:
         for r in results:
             out.print(_line(r), highlight=False)

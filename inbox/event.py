@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from inbox.errors import InvalidSequence
-from outbox.envelope import MAX_SEQUENCE
+from outbox.envelope import MAX_SEQUENCE, SEQUENCE_HEADER
 
 
 class KafkaRecord(Protocol):
@@ -74,11 +74,11 @@ class InboxEvent:
         Raises :class:`~inbox.errors.InvalidSequence` when it is present but not a
         non-negative integer: a stale-event guard cannot order such an event.
         """
-        text = self.header("ce_sequence")
+        text = self.header(SEQUENCE_HEADER)
         if text is None:
             return None
         if not (text.isascii() and text.isdigit()) or int(text) > MAX_SEQUENCE:
-            raise InvalidSequence(f"ce_sequence header {text[:40]!r} is not a 64-bit integer")
+            raise InvalidSequence(f"{SEQUENCE_HEADER} header {text[:40]!r} is not a 64-bit integer")
         return int(text)
 
     def json(self) -> Any:

@@ -18,12 +18,18 @@ from aiokafka.errors import (
     for_code,
 )
 
-from outbox.daemon import kafka_admin, kafka_producer, kafka_refusal, start_kafka, topic_error
+from outbox.daemon import (
+    UNKNOWN_TOPIC,
+    kafka_admin,
+    kafka_producer,
+    kafka_refusal,
+    start_kafka,
+    topic_error,
+)
 from outbox.errors import BrokerRefused, BrokerUnavailable, ConfigurationError, TopicMissing
 from outbox.settings import OutboxSettings
 
 log = logging.getLogger("outbox.inbox")
-_UNKNOWN_TOPIC = 3
 _REFUSED_RECORDS = (MessageSizeTooLargeError, RecordTooLargeError, InvalidTopicError)
 
 
@@ -41,14 +47,14 @@ async def ensure_topics(settings: OutboxSettings, topics: Sequence[str]) -> None
         missing_dlq: list[NewTopic] = []
         for found in described.values():
             # Kafka answers a topic this client may not describe with an error, not a raise.
-            if found["error_code"] not in (0, _UNKNOWN_TOPIC):
+            if found["error_code"] not in (0, UNKNOWN_TOPIC):
                 raise _topic_failure(found["topic"], for_code(found["error_code"])())
         for topic in topics:
             source = described.get(topic)
-            if source is None or source["error_code"] == _UNKNOWN_TOPIC:
+            if source is None or source["error_code"] == UNKNOWN_TOPIC:
                 raise TopicMissing(topic)
             dlq = described.get(topic + suffix)
-            if dlq is not None and dlq["error_code"] != _UNKNOWN_TOPIC:
+            if dlq is not None and dlq["error_code"] != UNKNOWN_TOPIC:
                 continue
             if not settings.consumer.dlq_create:
                 raise TopicMissing(topic + suffix)

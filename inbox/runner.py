@@ -207,11 +207,8 @@ class ConsumerDaemon:
                     if not error.retriable:
                         raise error from None
                     self.database.failed(error)
-                if stop.is_set():
+                if not await self._retry_wait(self.database, stop):
                     return False
-                delay = self._policy.backoff(min(self.database.failures, 10))
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), delay)
         finally:
             await engine.dispose()
 
@@ -226,11 +223,17 @@ class ConsumerDaemon:
                 return True
             except BrokerUnavailable as exc:
                 self.kafka.failed(_cause(exc))
-            if stop.is_set():
+            if not await self._retry_wait(self.kafka, stop):
                 return False
-            delay = self._policy.backoff(min(self.kafka.failures, 10))
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), delay)
+
+    async def _retry_wait(self, down: Dependency, stop: asyncio.Event) -> bool:
+        """Back off before the next try at start-up; False when asked to stop."""
+        if stop.is_set():
+            return False
+        delay = self._policy.backoff(min(down.failures, 10))
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), delay)
+        return not stop.is_set()
 
     async def _watch_kafka(self, kafka: AIOKafkaConsumer) -> None:
         """Ask for metadata now and then: the fetch loop does not see an outage (aiokafka

@@ -257,6 +257,18 @@ def kafka_refusal(exc: BaseException) -> BrokerRefused | None:
     return None
 
 
+UNKNOWN_TOPIC = 3  # the error code of a DescribeTopics answer for a topic that is not there
+
+
+def partition_counts(described: Iterable[Any], names: Iterable[str]) -> dict[str, int | None]:
+    """Partition count of each topic of a DescribeTopics answer; None when it is missing."""
+    found: dict[str, int | None] = dict.fromkeys(names)
+    for t in described:
+        if t["error_code"] != UNKNOWN_TOPIC and t["partitions"]:
+            found[t["topic"]] = len(t["partitions"])
+    return found
+
+
 def topic_error(response: Any, name: str) -> KafkaError | None:
     """The error a CreateTopics answer gives for ``name`` (aiokafka returns per-topic error
     codes instead of raising), or None."""
@@ -282,7 +294,6 @@ def serve_http(
     port: int,
     healthy: Callable[[], bool],
     *,
-    host: str = "0.0.0.0",
     name: str = "daemon-http",
 ) -> WSGIServer:
     """Serve ``/metrics`` and ``/healthz`` (200 when ``healthy()``, else 503) on a daemon
@@ -297,7 +308,7 @@ def serve_http(
         result: Iterable[bytes] = prometheus(environ, start)
         return result
 
-    server = make_server(host, port, app, handler_class=_QuietHandler)
+    server = make_server("0.0.0.0", port, app, handler_class=_QuietHandler)
     threading.Thread(target=server.serve_forever, name=name, daemon=True).start()
     return server
 

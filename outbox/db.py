@@ -101,7 +101,9 @@ def describe(exc: BaseException) -> tuple[str | None, str, bool]:
 
 def unavailable(exc: BaseException) -> DatabaseUnavailable | DatabaseRefused:
     """The framework error for a failed connection or statement: refused for good
-    (configuration: exit 2) or unavailable (retried)."""
+    (configuration: exit 2) or unavailable (retried); one already translated as is."""
+    if isinstance(exc, DatabaseUnavailable):
+        return exc
     sqlstate, message, retriable = describe(exc)
     code = f" [SQLSTATE {sqlstate}]" if sqlstate else ""
     if retriable:
@@ -116,9 +118,7 @@ def translate(exc: BaseException) -> BaseException:
         return SchemaMissing(f"outbox table missing ({orig.diag.message_primary})")
     if isinstance(orig, psycopg.errors.InvalidSchemaName):
         return SchemaMissing(f"outbox schema missing ({orig.diag.message_primary})")
-    if isinstance(
-        orig, psycopg.errors.InvalidAuthorizationSpecification | psycopg.errors.InvalidCatalogName
-    ):
+    if isinstance(orig, psycopg.errors.InvalidCatalogName):  # a ProgrammingError
         return unavailable(orig)
     if (
         isinstance(exc, OperationalError)

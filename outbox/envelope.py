@@ -24,14 +24,14 @@ from outbox.errors import PayloadError, PayloadTooLarge
 
 JSON = "application/json"
 OCTET_STREAM = "application/octet-stream"
-# Headers the relay writes itself (CloudEvents Kafka binding, binary mode).
-RESERVED_HEADERS = frozenset(
-    {"ce_id", "ce_type", "ce_source", "ce_time", "ce_specversion", "content-type", "ce_sequence"}
-)
 # The CloudEvents `sequence` extension, set from ``publish(..., sequence=N)``. The spec
 # compares sequence values as strings, so N is written zero-padded to 20 digits: string
 # order is then numeric order for every non-negative 64-bit integer.
 SEQUENCE_HEADER = "ce_sequence"
+# Headers the relay writes itself (CloudEvents Kafka binding, binary mode).
+RESERVED_HEADERS = frozenset(
+    {"ce_id", "ce_type", "ce_source", "ce_time", "ce_specversion", "content-type", SEQUENCE_HEADER}
+)
 MAX_SEQUENCE = 2**63 - 1
 
 Payload = BaseModel | Mapping[str, Any] | list[Any] | bytes | bytearray | memoryview

@@ -74,8 +74,6 @@ class DatabaseUnavailable(OutboxError):
 
     retriable = True
 
-    service = "PostgreSQL"
-
     def __init__(self, message: str, sqlstate: str | None = None) -> None:
         super().__init__(message)
         self.sqlstate = sqlstate

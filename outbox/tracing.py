@@ -39,7 +39,6 @@ if TYPE_CHECKING:
 
     from outbox.envelope import Message
 
-AVAILABLE = _trace is not None
 TRACEPARENT = "traceparent"
 TRACESTATE = "tracestate"
 INSTRUMENTATION = "outbox-inbox"

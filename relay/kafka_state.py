@@ -17,7 +17,6 @@ log = logging.getLogger("relay.kafka")
 class KafkaState:
     def __init__(self, retry: RetryPolicy, metrics: RelayMetrics) -> None:
         self._retry = retry
-        self._metrics = metrics
         self._state = Dependency(
             "Kafka",
             log,
@@ -34,11 +33,6 @@ class KafkaState:
     @property
     def failures(self) -> int:
         return self._state.failures
-
-    @property
-    def tries(self) -> int:
-        """Failed tries since start (for the status line)."""
-        return self._state.tries
 
     def failed(self, exc: BaseException) -> None:
         self._state.failed(exc)

@@ -79,11 +79,10 @@ class LaneManager:
         settings: OutboxSettings,
         store: RelayStore,
         metrics: RelayMetrics,
-        database: Dependency | None = None,
     ) -> None:
         self._settings = settings
         # Shared with the pipelines: one log line per database outage, not one per task.
-        self.database = database or Dependency("database", log)
+        self.database = Dependency("database", log)
         self._store = store
         self._metrics = metrics
         self.relay_id = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
@@ -152,9 +151,7 @@ class LaneManager:
                 raise SchemaMissing(f"relay table missing ({exc.diag.message_primary})") from None
             except (psycopg.OperationalError, psycopg.InterfaceError, DatabaseUnavailable) as exc:
                 # Lanes are released until the connection is back (their locks died with it).
-                self.database.failed(
-                    exc if isinstance(exc, DatabaseUnavailable) else unavailable(exc)
-                )
+                self.database.failed(unavailable(exc))
                 self._metrics.errors.labels(type(exc).__name__).inc()
                 await self._drop()
                 delay = self._retry.backoff(failures)

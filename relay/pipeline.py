@@ -124,9 +124,7 @@ class Pipeline:
                 ) as exc:
                     # Whatever the batch held was rolled back by PostgreSQL; rows are pending
                     # again and are re-sent (at-least-once), so nothing is lost.
-                    self._database.failed(
-                        exc if isinstance(exc, DatabaseUnavailable) else unavailable(exc)
-                    )
+                    self._database.failed(unavailable(exc))
                     self._metrics.errors.labels(type(exc).__name__).inc()
                     await self._close()
                     await sleep_unless(stopping, self._db_retry.backoff(db_failures))

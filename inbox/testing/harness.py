@@ -81,7 +81,7 @@ class _RecordingSink:
     async def send(
         self, topic: str, key: bytes | None, value: bytes | None, headers: list[tuple[str, bytes]]
     ) -> tuple[int, int]:
-        event_id = next((v.decode() for n, v in reversed(headers) if n == "ce_id"), "")
+        event_id = header_text(headers, "ce_id") or ""
         self.records.append(DeadLetterRecord(topic, event_id, key, value, tuple(headers)))
         return 0, len(self.records) - 1
 

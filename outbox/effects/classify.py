@@ -76,7 +76,7 @@ def classify_status(status: int) -> EffectClass:
 def _declared(exc: BaseException) -> EffectClass | None:
     if isinstance(exc, Ambiguous):
         return EffectClass.AMBIGUOUS
-    if isinstance(exc, OutboxError) and not isinstance(exc, Ambiguous):
+    if isinstance(exc, OutboxError):
         # Permanent / Retryable and framework errors say it with their flag.
         return EffectClass.RETRYABLE if exc.retriable else EffectClass.PERMANENT
     return None

@@ -52,7 +52,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import threading
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Generator
@@ -81,9 +80,9 @@ from outbox.effects.errors import (
 )
 from outbox.effects.metrics import effect_metrics
 from outbox.effects.store import DONE, FAILED, PENDING, UNKNOWN, EffectStore
-from outbox.resilience.breaker import CircuitBreaker, CircuitOpen
+from outbox.resilience.breaker import CircuitBreaker, CircuitBreakers, CircuitOpen
 from outbox.resilience.budget import RetryBudget, RetryBudgetExhausted
-from outbox.resilience.classify import retry_after_of, status_of
+from outbox.resilience.classify import status_of
 from outbox.resilience.retry import RetryPolicy
 from outbox.settings import OutboxSettings
 from outbox.tables import build_tables
@@ -129,15 +128,20 @@ def key_for(event: HasEventId, step: str) -> str:
     return effect_key(event.event_id, step)
 
 
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else ""
+
+
 def describe(exc: BaseException) -> str:
     """``Type: first line`` of an exception, bounded (stored as ``last_error``)."""
-    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    text = _first_line(exc)
     return f"{type(exc).__name__}: {text}"[:_MESSAGE_LIMIT] if text else type(exc).__name__
 
 
 def error_record(exc: BaseException) -> dict[str, Any]:
     """What a permanent failure stores and replays: type, first message line, HTTP status."""
-    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    text = _first_line(exc)
     return {"type": type(exc).__name__, "message": text[:_MESSAGE_LIMIT], "status": status_of(exc)}
 
 
@@ -285,9 +289,7 @@ class Effects:
         self.policy = policy or RetryPolicy.from_settings(settings.retry)
         self.budget = budget or RetryBudget()
         self.metrics = effect_metrics(registry)
-        self._new_breaker = breaker or CircuitBreaker
-        self._breakers: dict[str, CircuitBreaker] = {}
-        self._breakers_lock = threading.Lock()
+        self._breakers = CircuitBreakers(factory=breaker or CircuitBreaker)
         self.lease = lease
         self.window = window
         self._sleep = sleep
@@ -296,11 +298,7 @@ class Effects:
     def breaker(self, dependency: str) -> CircuitBreaker:
         """The circuit breaker of ``dependency`` (made on first use by the ``breaker``
         factory given, default ``CircuitBreaker(dependency)``)."""
-        with self._breakers_lock:
-            found = self._breakers.get(dependency)
-            if found is None:
-                found = self._breakers[dependency] = self._new_breaker(dependency)
-            return found
+        return self._breakers.get(dependency)
 
     # -- pure parts --------------------------------------------------------------------
     def _effect(
@@ -329,30 +327,6 @@ class Effects:
             classify=classifier(classify),
             reconcilable=reconcilable,
         )
-
-    def _delay(
-        self, attempts: int, exc: BaseException, started: float, lease: timedelta
-    ) -> float | None:
-        """Seconds before the next attempt, or None when the policy says stop.
-
-        The wait holds the row lock and an idle transaction, so it never exceeds the lease:
-        a longer ``Retry-After`` ends the attempts (the caller may come back later)."""
-        policy = self.policy
-        if attempts >= policy.max_attempts:
-            return None
-        delay = policy.backoff(attempts - 1)
-        hint = retry_after_of(exc, policy.wall_clock())
-        if hint is not None:
-            if hint > lease.total_seconds():
-                return None
-            delay = max(delay, hint)
-        delay = min(delay, lease.total_seconds())
-        if policy.max_total_delay_seconds is not None:
-            remaining = policy.max_total_delay_seconds - (time.monotonic() - started)
-            if remaining <= 0 or (hint is not None and hint > remaining):
-                return None
-            delay = min(delay, remaining)
-        return delay
 
     # -- the protocol ----------------------------------------------------------------------
     def _steps(self, e: _Effect) -> _Steps:
@@ -447,21 +421,24 @@ class Effects:
                 yield from self._release(e)
                 raise
             except Exception as exc:
-                kind = e.classify(exc)
+                kind, detail = e.classify(exc), describe(exc)
                 self.metrics.calls.labels(e.dependency, kind.value).inc()
-                log.info("effect %s attempt %d: %s (%s)", key, attempts, describe(exc), kind)
+                log.info("effect %s attempt %d: %s (%s)", key, attempts, detail, kind)
                 if kind is EffectClass.PERMANENT:
                     error = error_record(exc)
                     yield _Sql(store.finish_failed, store.outcome_params(key, error, True))
                     yield _COMMIT
                     raise EffectFailed(key, error, replayed=False) from exc
                 if kind is EffectClass.AMBIGUOUS and not e.reconcilable:
-                    yield _Sql(store.mark_unknown, store.error_params(key, describe(exc)))
+                    yield _Sql(store.mark_unknown, store.error_params(key, detail))
                     yield _COMMIT
                     self.metrics.unknown.inc()
-                    raise EffectOutcomeUnknown(key, describe(exc)) from exc
-                yield _Sql(store.attempt_failed, store.error_params(key, describe(exc)))
-                delay = self._delay(attempts, exc, started, e.lease)
+                    raise EffectOutcomeUnknown(key, detail) from exc
+                yield _Sql(store.attempt_failed, store.error_params(key, detail))
+                # The wait holds the row lock and an idle transaction: never past the lease.
+                delay = self.policy.delay_for(
+                    attempts, exc, time.monotonic() - started, limit=e.lease.total_seconds()
+                )
                 if kind is EffectClass.AMBIGUOUS:
                     # Give an in-flight request time to land, then ask before calling again.
                     yield _Sleep(delay if delay is not None else self.policy.base_seconds)

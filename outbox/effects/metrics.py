@@ -13,7 +13,6 @@ from outbox.resilience.breaker import BreakerState
 
 # Gauge values of a breaker's state.
 BREAKER_VALUES = {BreakerState.CLOSED: 0, BreakerState.HALF_OPEN: 1, BreakerState.OPEN: 2}
-CALL_OUTCOMES = ("ok", "retryable", "permanent", "ambiguous")
 
 
 class EffectMetrics:

@@ -41,6 +41,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects.postgresql import JSONB, insert
 from sqlalchemy.sql.dml import ReturningInsert
+from sqlalchemy.sql.elements import Label
 
 from outbox.tables import Tables
 
@@ -48,7 +49,6 @@ PENDING = "pending"
 DONE = "done"
 FAILED = "failed"
 UNKNOWN = "unknown"
-STATES = (PENDING, DONE, FAILED, UNKNOWN)
 
 
 @dataclass(frozen=True)
@@ -62,6 +62,11 @@ class EffectStore:
     @cached_property
     def _where_key(self) -> ColumnElement[bool]:
         return self._t.c.key == bindparam("p_key")
+
+    @cached_property
+    def _lease_live(self) -> Label[bool]:
+        """Whether the claim's lease still runs (a live owner)."""
+        return func.coalesce(self._t.c.lease_until > func.now(), False).label("lease_live")
 
     @cached_property
     def _claim_values(self) -> dict[str, Any]:
@@ -96,7 +101,7 @@ class EffectStore:
             t.c.result,
             t.c.error,
             func.coalesce(t.c.expires_at <= func.now(), False).label("expired"),
-            func.coalesce(t.c.lease_until > func.now(), False).label("lease_live"),
+            self._lease_live,
             cast(
                 func.greatest(func.ceil(extract("epoch", t.c.lease_until - func.now())), 1),
                 Integer,
@@ -201,7 +206,7 @@ class EffectStore:
         t = self._t
         return select(
             t,
-            func.coalesce(t.c.lease_until > func.now(), False).label("lease_live"),
+            self._lease_live,
         ).where(self._where_key)
 
     @cached_property
@@ -209,7 +214,7 @@ class EffectStore:
         t = self._t
         state = bindparam("p_state", type_=Text())
         return (
-            select(t, func.coalesce(t.c.lease_until > func.now(), False).label("lease_live"))
+            select(t, self._lease_live)
             .where((state.is_(None)) | (t.c.state == state))
             .order_by(t.c.updated_at.desc(), t.c.key)
             .limit(bindparam("p_limit"))

@@ -163,10 +163,11 @@ class _Cleaner:
         return result
 
     async def _batched(
-        self, target: Target, seconds: float, delete: Any, count: Any, dry_run: bool
+        self, target: Target, seconds: float | None, delete: Any, count: Any, dry_run: bool
     ) -> TargetResult:
-        result = TargetResult(target, await self.cutoff(seconds))
-        params: dict[str, Any] = {"cutoff": result.cutoff}
+        """Delete in batches older than ``seconds`` (None: what the rows say has expired)."""
+        result = TargetResult(target, None if seconds is None else await self.cutoff(seconds))
+        params: dict[str, Any] = {} if seconds is None else {"cutoff": result.cutoff}
         if dry_run:
             result.deleted = int(await self._scalar(count, params))
             return result
@@ -202,17 +203,8 @@ class _Cleaner:
         return result
 
     async def effect_records(self, dry_run: bool) -> TargetResult:
-        result = TargetResult("effects", None)
-        if dry_run:
-            result.deleted = int(await self._scalar(self.store.count_effects, {}))
-            return result
-        while self._more(result):
-            deleted = await self._delete(self.store.delete_effects, {"batch": self.batch_size})
-            result.deleted += deleted
-            await self._after_batch(result)
-            if deleted < self.batch_size:
-                break
-        return result
+        s = self.store
+        return await self._batched("effects", None, s.delete_effects, s.count_effects, dry_run)
 
 
 async def run_cleanup(

@@ -19,11 +19,10 @@ from aiokafka.errors import (
     NotCoordinatorError,
 )
 
-from outbox.daemon import kafka_admin, kafka_consumer, start_kafka
+from outbox.daemon import kafka_admin, kafka_consumer, partition_counts, start_kafka
 from outbox.errors import BrokerUnavailable
 from outbox.settings import OutboxSettings
 
-_UNKNOWN_TOPIC = 3
 _TIMEOUT_MS = 5000
 _COORDINATOR_TRIES = 5
 T = TypeVar("T")
@@ -54,6 +53,9 @@ class KafkaProbe:
             raise BrokerUnavailable(
                 f"Kafka at {self._bootstrap} unreachable ({type(exc).__name__})"
             ) from None
+        except BaseException:  # refused (BrokerRefused), cancelled: the clients close too
+            await self._close()
+            raise
         return self
 
     async def __aexit__(
@@ -73,12 +75,7 @@ class KafkaProbe:
         wanted = sorted(set(topics))
         if not wanted:
             return {}
-        described = await self._call(self._admin.describe_topics(wanted))
-        found: dict[str, int | None] = dict.fromkeys(wanted)
-        for t in described:
-            if t["error_code"] != _UNKNOWN_TOPIC and t["partitions"]:
-                found[t["topic"]] = len(t["partitions"])
-        return found
+        return partition_counts(await self._call(self._admin.describe_topics(wanted)), wanted)
 
     async def end_offsets(self, partitions: Iterable[TopicPartition]) -> dict[TopicPartition, int]:
         tps = list(partitions)

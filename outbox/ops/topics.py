@@ -24,12 +24,11 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import KafkaError, TopicAlreadyExistsError, TopicAuthorizationFailedError
 
 from outbox import identifiers
-from outbox.daemon import kafka_admin, kafka_refusal, start_kafka, topic_error
+from outbox.daemon import kafka_admin, kafka_refusal, partition_counts, start_kafka, topic_error
 from outbox.errors import BrokerRefused, BrokerUnavailable, ConfigurationError
 from outbox.settings import OutboxSettings
 
 Status = Literal["created", "exists", "too_few_partitions", "failed"]
-_UNKNOWN_TOPIC = 3
 _TIMEOUT_S = 15.0
 
 
@@ -116,8 +115,7 @@ async def ensure(settings: OutboxSettings, specs: Sequence[TopicSpec]) -> list[T
         replication = max(1, min(settings.topics.replication_factor, brokers))
         results = []
         for spec in wanted:
-            have = existing.get(spec.name)
-            result = await _ensure_one(admin, settings, spec, have, existing, replication)
+            result = await _ensure_one(admin, settings, spec, existing, replication)
             existing[spec.name] = result.partitions
             results.append(result)
         return results
@@ -129,10 +127,10 @@ async def _ensure_one(
     admin: AIOKafkaAdminClient,
     settings: OutboxSettings,
     spec: TopicSpec,
-    have: int | None,
     existing: dict[str, int | None],
     replication: int,
 ) -> TopicResult:
+    have = existing.get(spec.name)
     if have is not None:
         if spec.partitions is not None and have < spec.partitions:
             return TopicResult(
@@ -175,11 +173,7 @@ async def _ensure_one(
 
 
 async def _partitions(admin: AIOKafkaAdminClient, names: list[str]) -> dict[str, int | None]:
-    found: dict[str, int | None] = dict.fromkeys(names)
-    for t in await admin.describe_topics(names):
-        if t["error_code"] != _UNKNOWN_TOPIC and t["partitions"]:
-            found[t["topic"]] = len(t["partitions"])
-    return found
+    return partition_counts(await admin.describe_topics(names), names)
 
 
 def _describe(error: BaseException) -> str:

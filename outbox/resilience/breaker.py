@@ -180,8 +180,11 @@ class CircuitBreakers:
         half_open_max_calls: int = 1,
         clock: Callable[[], float] = time.monotonic,
         on_state_change: StateListener | None = None,
+        factory: Callable[[str], CircuitBreaker] | None = None,
     ) -> None:
+        """``factory(dependency)``, when given, makes each breaker instead of the limits."""
         self._limits = (failure_threshold, recovery_seconds, half_open_max_calls)
+        self._factory = factory
         self._clock = clock
         self._on_state_change = on_state_change
         self._lock = threading.Lock()
@@ -191,9 +194,12 @@ class CircuitBreakers:
         with self._lock:
             breaker = self._breakers.get(dependency)
             if breaker is None:
-                breaker = CircuitBreaker(
-                    dependency, *self._limits, self._clock, self._on_state_change
-                )
+                if self._factory is not None:
+                    breaker = self._factory(dependency)
+                else:
+                    breaker = CircuitBreaker(
+                        dependency, *self._limits, self._clock, self._on_state_change
+                    )
                 self._breakers[dependency] = breaker
             return breaker
 

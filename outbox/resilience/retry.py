@@ -80,12 +80,30 @@ class RetryPolicy:
         first one started. The wait is the jittered backoff, raised to the server's
         ``Retry-After`` when there is one.
         """
-        if not self.should_retry(attempts_made, exc):
+        if not is_retryable(exc):
+            return None
+        return self.delay_for(attempts_made, exc, elapsed)
+
+    def delay_for(
+        self,
+        attempts_made: int,
+        exc: BaseException,
+        elapsed: float = 0.0,
+        *,
+        limit: float | None = None,
+    ) -> float | None:
+        """:meth:`next_delay` for a failure the caller already judged worth another try.
+        ``limit`` caps the wait; a ``Retry-After`` beyond it gives up instead."""
+        if attempts_made >= self.max_attempts:
             return None
         delay = self.backoff(attempts_made - 1)
         hint = retry_after_of(exc, self.wall_clock())
         if hint is not None:
+            if limit is not None and hint > limit:
+                return None
             delay = max(delay, hint)
+        if limit is not None:
+            delay = min(delay, limit)
         if self.max_total_delay_seconds is None:
             return delay
         remaining = self.max_total_delay_seconds - elapsed
