@@ -19,7 +19,7 @@ def _report(ctx: MigrationContext, step: MigrationInfo, heads: Any, run_args: An
     progress = context.config.attributes.get("progress")
     revision = step.up_revision
     if progress is not None and step.is_upgrade and revision is not None:
-        title = (revision.doc or "").strip().splitlines()
+        title = str(getattr(revision, "doc", "") or "").strip().splitlines()  # a Script
         progress(f"applied {revision.revision}: {title[0] if title else ''}")
 
 
