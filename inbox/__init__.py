@@ -21,6 +21,7 @@ from inbox.errors import (
     DeadLetterNotFound,
     HandlerConfigurationError,
     ReplayRefused,
+    TombstoneRefused,
 )
 from inbox.event import InboxEvent
 from inbox.metrics import Metrics
@@ -46,4 +47,5 @@ __all__ = [
     "ReplayRefused",
     "ReplayReport",
     "Retryable",
+    "TombstoneRefused",
 ]

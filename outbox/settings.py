@@ -157,8 +157,9 @@ class TopicSettings(_Section):
 
     names: str = Field(
         "",
-        description="Comma-separated topics the relay publishes to, as NAME or "
-        "NAME:PARTITIONS, created by `outbox topics ensure` (with any --topic/--app given).",
+        description="Comma-separated topics the relay publishes to, as "
+        "NAME[:PARTITIONS][:compact], created by `outbox topics ensure` (with any "
+        "--topic/--app given); ':compact' sets cleanup.policy=compact.",
     )
     partitions: int = Field(
         6, ge=1, le=10_000, description="Partitions of a topic created without a count."

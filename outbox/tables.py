@@ -88,8 +88,9 @@ def _record_columns() -> list[Column[Any]]:
         Column("lane", SmallInteger, nullable=False),
         Column("event_type", Text, nullable=False),
         Column("source", Text, nullable=False),
-        Column("content_type", Text, nullable=False),
-        Column("payload", LargeBinary, nullable=False),
+        # Both NULL for a tombstone (a null Kafka value: deletes the key when compacted).
+        Column("content_type", Text, nullable=True),
+        Column("payload", LargeBinary, nullable=True),
         # SHA-256 over topic, key, type and payload: detects a reused event_id.
         Column("fingerprint", LargeBinary, nullable=False),
     ]
