@@ -8,9 +8,10 @@ from __future__ import annotations
 import asyncio
 import uuid
 
+import psycopg
 import pytest
 from pydantic import BaseModel
-from sqlalchemy import Engine, text
+from sqlalchemy import Engine, func, text
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Session
 
@@ -19,7 +20,8 @@ from inbox import DeadLetterFilter, DeadLetters, EventContext
 from outbox import TOMBSTONE, Outbox
 from outbox.ops.topics import TopicSpec, ensure
 from outbox.settings import OutboxSettings
-from relay import Relay
+from relay import Relay, list_failed, retry_failed
+from relay.store import CE_ID, RelayStore
 from tests.support.inbox import RunningConsumer, fast_settings, wait_for
 from tests.support.kafka import Record, cleanup_policies, read_all, read_until
 from tests.support.relay import outbox_cli, relay_env
@@ -167,3 +169,64 @@ async def test_create_update_and_tombstone_reach_a_compacted_topic_and_the_inbox
     again = [r for r in await read_until(kafka_bootstrap, topic, replayed) if replayed(r)]
     assert len(again) == 1 and again[0].value is None and again[0].key == b"c-1"
     assert again[0].headers["ce_id"].decode() == ids[3]
+
+
+async def test_a_tombstone_put_back_or_parked_by_the_relay_keeps_its_null_payload(
+    settings: OutboxSettings, engine: Engine, kafka_bootstrap: str
+) -> None:
+    """The relay's restore (Kafka did not take the row) and move-to-failed statements, and
+    the operator's failed list/retry, carry a NULL payload and content type through."""
+    topic = f"customers-{uuid.uuid4().hex[:8]}"  # does not exist yet
+    ob = Outbox(settings)
+    event_id = _publish(engine, ob, topic, "c-9", "deleted", TOMBSTONE)
+    events = ob.tables.events
+    relay = Relay(settings)
+    task = asyncio.create_task(relay.run())
+    try:
+        # A missing topic: the relay claims the row, cannot send it, and puts it back.
+        def put_back() -> bool:
+            with engine.connect() as conn:
+                row = conn.execute(
+                    events.select().where(events.c.event_id == uuid.UUID(event_id))
+                ).one()
+            return row.last_error is not None
+
+        await wait_for(put_back, what="the relay to put the row back")
+    finally:
+        relay.stop()
+        await asyncio.wait_for(task, 15)
+    with engine.connect() as conn:
+        row = conn.execute(events.select().where(events.c.event_id == uuid.UUID(event_id))).one()
+    assert (row.payload, row.content_type, row.key) == (None, None, b"c-9")
+    assert "does not exist" in row.last_error
+
+    # Parked as failed (what a permanent rejection does), listed, retried: still a tombstone.
+    with engine.begin() as conn:  # due now (the relay put it back with a re-check delay)
+        conn.execute(events.update().values(available_at=func.now()))
+    store = RelayStore(settings)
+    with psycopg.connect(settings.libpq_dsn) as conn:
+        claimed = conn.execute(
+            store.claim, {"lanes": list(range(settings.lanes)), "limit": 10}
+        ).fetchall()
+        assert [r[CE_ID] for r in claimed] == [event_id]
+        params = store.restore_params(claimed, [5], ["rejected"], [0.0])
+        conn.execute(store.move_to_failed, params)
+    [failed], total = list_failed(settings, topic=topic)
+    assert (total, failed.event_id, failed.payload_bytes) == (1, event_id, None)
+    wide = relay_env(settings, COLUMNS="250")  # `failed list` fits its table to the width
+    shown = outbox_cli("failed", "list", "--topic", topic, env=wide)
+    assert shown.returncode == 0 and "tombstone" in shown.stdout, shown.stdout
+    assert retry_failed(settings, [failed.id]) == [failed.id]
+    with engine.connect() as conn:
+        row = conn.execute(events.select().where(events.c.event_id == uuid.UUID(event_id))).one()
+    assert (row.payload, row.content_type) == (None, None)
+
+    # Once the topic exists, the relay sends it: a null value on the wire.
+    await ensure(settings, [TopicSpec(topic, 1, compact=True)])
+    task = asyncio.create_task((relay := Relay(settings)).run())
+    try:
+        [record] = await read_all(kafka_bootstrap, topic, expect=1, wait_seconds=60)
+    finally:
+        relay.stop()
+        await asyncio.wait_for(task, 15)
+    assert record.value is None and record.headers["ce_id"].decode() == event_id
