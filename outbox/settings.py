@@ -296,7 +296,9 @@ class KafkaSettings(_Section):
 
 
 class OutboxSettings(BaseSettings):
-    """All configuration of outbox-inbox. See the configuration table in the README."""
+    """All configuration of outbox-inbox, read from ``OUTBOX_*`` environment variables
+    (nested sections with ``__``: ``OUTBOX_RELAY__BATCH_SIZE``), a ``.env`` file or keyword
+    arguments. Every variable is listed in the settings reference of the documentation."""
 
     model_config = SettingsConfigDict(
         env_prefix="OUTBOX_",
