@@ -27,6 +27,7 @@ RUN = {
         {"shop_db.py", "place_order.py", "shipping.py"},
         "tests/acceptance/test_doc_snippets.py",
     ),
+    "docs/concepts/canonical-json.md": ({"test-vector"}, "tests/unit/test_docs.py"),
     "docs/howto/testing.md": (
         {"pytest.ini", "conftest.py", "test_shipping.py"},
         "tests/acceptance/test_doc_snippets.py",

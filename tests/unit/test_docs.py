@@ -50,6 +50,10 @@ def test_every_marked_snippet_is_run_by_a_test() -> None:
         assert (ROOT / test).is_file(), test
 
 
+def test_the_canonical_json_test_vector_holds_as_printed() -> None:
+    exec(snippets("docs/concepts/canonical-json.md")["test-vector"], {})
+
+
 _PYTHON_BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
 
 
