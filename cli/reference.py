@@ -7,6 +7,7 @@ here because only ``cli`` may import every package (``cli -> relay | inbox -> ou
 
 from __future__ import annotations
 
+import html
 import importlib
 import inspect
 import pkgutil
@@ -64,15 +65,26 @@ def _walk(cmd: Any, ctx: Any, path: tuple[str, ...]) -> Iterator[Command]:
 
 
 _ROLE = re.compile(r":(?:py:)?(?:class|func|meth|mod|attr|data|exc|obj):`(~?)([^`]+)`")
+_DOCTEST = re.compile(r"^([ \t]*)>>> .*(?:\n\1(?:>>>|\.\.\.|\S).*)*", re.M)
 
 
-def plain_roles(text: str) -> str:
-    """Sphinx cross-reference roles as Markdown code: ``:class:`~a.B` `` -> `` `B` ``."""
-    return _ROLE.sub(lambda m: f"`{m[2].rsplit('.', 1)[-1] if m[1] else m[2]}`", text)
+def markdown_docstring(text: str) -> str:
+    """A docstring written for Sphinx, as Markdown: cross-reference roles become code
+    (``:class:`~a.B` `` -> `` `B` ``), ``text::`` before a literal block becomes ``text:``,
+    and doctest examples become fenced ``pycon`` blocks."""
+    text = _ROLE.sub(lambda m: f"`{m[2].rsplit('.', 1)[-1] if m[1] else m[2]}`", text)
+    text = re.sub(r"(\S)::$", r"\1:", text, flags=re.M)
+    return _DOCTEST.sub(lambda m: f"{m[1]}```pycon\n{m[0]}\n{m[1]}```", text)
 
 
 def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
+
+
+def code_cell(text: str) -> str:
+    """``text`` as code in a table cell: HTML, because Markdown keeps the backslash of an
+    escaped ``|`` inside a code span (``--log-level <debug|info|…>``)."""
+    return f"<code>{html.escape(text).replace('|', '&#124;')}</code>"
 
 
 def cli_markdown() -> str:
@@ -86,7 +98,7 @@ def cli_markdown() -> str:
             parts += ["```text", c.usage, "```", ""]
         if c.params:
             parts += ["| option / argument | meaning |", "| --- | --- |"]
-            parts += [f"| `{_cell(flag)}` | {_cell(help_)} |" for flag, help_ in c.params]
+            parts += [f"| {code_cell(flag)} | {_cell(help_)} |" for flag, help_ in c.params]
             parts.append("")
     return "\n".join(parts)
 
@@ -143,7 +155,7 @@ def errors_markdown() -> str:
             f"`{c.__module__}.{c.__qualname__}` · retriable: **{retriable(c)}** · "
             f"exit code of a CLI command stopped by it: **{exit_code}**",
             "",
-            plain_roles(inspect.cleandoc(c.__doc__ or "")),
+            markdown_docstring(inspect.cleandoc(c.__doc__ or "")),
             "",
         ]
     return "\n".join(parts)

@@ -112,7 +112,7 @@ class Outbox:
 
         Keyword arguments are the fields of :class:`~outbox.envelope.Message`: ``topic``,
         ``payload``, ``event_type`` (required), ``key``, ``event_id``, ``headers``,
-        ``source``, ``delay_seconds``.
+        ``source``, ``delay_seconds``, ``sequence``.
         """
         return self.publish_many(session, [Message(**fields)])[0]
 
