@@ -17,8 +17,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 
-_MARKER = re.compile(r"<!-- snippet: ([\w.-]+)[^>]*-->")
-_SNIPPET = re.compile(r"<!-- snippet: ([\w.-]+)[^>]*-->\n```\w+\n(.*?)^```", re.S | re.M)
+# A marker is a line of its own (so a page can mention the syntax in running text).
+_MARKER = re.compile(r"^<!-- snippet: ([\w.-]+)[^>]*-->$", re.M)
+_SNIPPET = re.compile(r"^<!-- snippet: ([\w.-]+)[^>]*-->\n```\w+\n(.*?)^```", re.S | re.M)
 
 # page -> the blocks tests run, and the test that runs them
 RUN = {
