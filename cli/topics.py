@@ -24,7 +24,7 @@ def ensure_command(
     topics: list[str] = typer.Option(
         [],
         "--topic",
-        help="A topic the relay publishes to, NAME[:PARTITIONS][:compact] (repeatable; added "
+        help="A topic the relay publishes to, `NAME[:PARTITIONS][:compact]` (repeatable; added "
         "to OUTBOX_TOPICS__NAMES). ':compact' makes it a compacted topic (cleanup.policy="
         "compact: the latest event per key is kept, a tombstone deletes the key).",
     ),

@@ -158,8 +158,8 @@ class TopicSettings(_Section):
     names: str = Field(
         "",
         description="Comma-separated topics the relay publishes to, as "
-        "NAME[:PARTITIONS][:compact], created by `outbox topics ensure` (with any "
-        "--topic/--app given); ':compact' sets cleanup.policy=compact.",
+        "`NAME[:PARTITIONS][:compact]`, created by `outbox topics ensure` (with any "
+        "--topic/--app given); `:compact` sets cleanup.policy=compact.",
     )
     partitions: int = Field(
         6, ge=1, le=10_000, description="Partitions of a topic created without a count."
@@ -297,7 +297,9 @@ class KafkaSettings(_Section):
 
 
 class OutboxSettings(BaseSettings):
-    """All configuration of outbox-inbox. See the configuration table in the README."""
+    """All configuration of outbox-inbox, read from ``OUTBOX_*`` environment variables
+    (nested sections with ``__``: ``OUTBOX_RELAY__BATCH_SIZE``), a ``.env`` file or keyword
+    arguments. Every variable is listed in the settings reference of the documentation."""
 
     model_config = SettingsConfigDict(
         env_prefix="OUTBOX_",
