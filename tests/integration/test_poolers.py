@@ -5,6 +5,7 @@ transaction pooler (relays on their own direct URL) and through a session pooler
 from __future__ import annotations
 
 import asyncio
+import signal
 import threading
 import time
 import uuid
@@ -31,8 +32,17 @@ from relay.lanes import LaneManager
 from relay.metrics import RelayMetrics
 from relay.store import RelayStore
 from tests.support.idempotency import create_effects_table, write_effect, write_effect_async
+from tests.support.inbox import (
+    effect_rows,
+    effect_verdict,
+    effects_table,
+    outbox_cli,
+    publish_keyed,
+    wait_for,
+)
 from tests.support.pgbouncer import PgBouncer, free_port, pgbouncer
 from tests.support.relay import (
+    ROOT,
     RelayProcess,
     publish_numbered,
     read_ids,
@@ -389,3 +399,113 @@ async def test_the_relay_refuses_when_its_reconnect_lands_on_a_transaction_poole
     log = relay.log()
     assert code == 2, log[-3000:]
     assert "PgBouncer in transaction mode" in log and RELAY_FIX in log, log[-3000:]
+
+
+# ------------------------------------------------------------------ whole pipelines
+
+EVENTS, KEYS = 6_000, 60
+TARGET = "tests.support.inbox_apps:app"
+
+
+async def _pipeline(
+    engine: Engine,
+    producer: OutboxSettings,
+    relay_env_: dict[str, str],
+    consumer_env: dict[str, str],
+    tmp_path: Path,
+) -> tuple[tuple[int, int, int], dict[str, str]]:
+    """Producer (in this process) -> two relays -> one consumer, ~1,000 events/s for ~6 s;
+    one relay is SIGKILLed 2 s into the stream. Returns the effects' (lost, duplicates,
+    out-of-order) and each daemon's log."""
+    table = consumer_env["INBOX_TEST_EFFECTS"]
+    relays = [RelayProcess(relay_env_, tmp_path, f"relay-{i}") for i in range(2)]
+    consumer = outbox_cli(["--log-level", "WARNING", "consume", TARGET], consumer_env)
+    stop = threading.Event()
+    publisher = threading.Thread(
+        target=publish_keyed,
+        args=(producer, consumer_env["INBOX_TEST_TOPIC"], EVENTS),
+        kwargs={"keys": KEYS, "chunk": 100, "pause": 0.1, "stop": stop},
+    )
+
+    def applied() -> int:
+        return len(effect_rows(engine, table))
+
+    try:
+        await wait_for(
+            lambda: all("acquired lanes" in r.log() for r in relays), what="both relays up"
+        )
+        publisher.start()
+        await asyncio.sleep(2)
+        relays[0].kill()
+        assert publisher.is_alive(), "the kill should land mid-stream"
+        await wait_for(lambda: applied() >= EVENTS, timeout=240, what="every effect")
+        await asyncio.sleep(2)  # room for a late duplicate to show up
+    finally:
+        stop.set()
+        if publisher.is_alive():
+            publisher.join(60)
+        consumer.send_signal(signal.SIGTERM)
+        code, _ = relays[1].terminate()
+        consumer_code = consumer.wait(60)
+        for r in relays:
+            r.kill()
+    assert consumer.stderr is not None
+    logs = {"consumer": consumer.stderr.read().decode(errors="replace")}
+    logs.update({f"relay-{i}": r.log() for i, r in enumerate(relays)})
+    assert (code, consumer_code) == (0, 0), logs
+    return effect_verdict(effect_rows(engine, table), EVENTS), logs
+
+
+def _daemon_env(settings: OutboxSettings, topic: str, table: str, **extra: str) -> dict[str, str]:
+    return relay_env(
+        settings,
+        PYTHONPATH=str(ROOT),
+        INBOX_TEST_CONSUMER=f"pool-{uuid.uuid4().hex[:8]}",
+        INBOX_TEST_TOPIC=topic,
+        INBOX_TEST_EFFECTS=table,
+        **extra,
+    )
+
+
+async def test_producer_and_consumer_through_a_transaction_pooler_relays_direct(
+    isolated_settings: OutboxSettings,
+    engine: Engine,
+    pgbouncers: Bouncers,
+    new_topic: NewTopic,
+    tmp_path: Path,
+) -> None:
+    pooled = through(isolated_settings, pgbouncers("transaction", TRANSACTION_POOL))
+    topic, table = await new_topic(partitions=4), effects_table(engine)
+    # Everyone gets the pooler's URL; the relays also get their own direct one. The
+    # consumer is not told about the pooler: it finds out (and says so).
+    consumer_env = _daemon_env(pooled, topic, table)
+    relays_env = consumer_env | {
+        "OUTBOX_DB_POOLER": "transaction",
+        "OUTBOX_RELAY__DATABASE_URL": isolated_settings.database_url.get_secret_value(),
+    }
+    verdict_, logs = await _pipeline(
+        engine,
+        pooled.model_copy(update={"db_pooler": "transaction"}),
+        relays_env,
+        consumer_env,
+        tmp_path,
+    )
+    assert verdict_ == (0, 0, 0), verdict_
+    assert "database behind a transaction pooler" in logs["consumer"], logs["consumer"]
+    assert "session=PostgreSQL itself" in logs["relay-1"], logs["relay-1"][-2000:]
+
+
+async def test_everything_through_a_session_pooler(
+    isolated_settings: OutboxSettings,
+    engine: Engine,
+    pgbouncers: Bouncers,
+    new_topic: NewTopic,
+    tmp_path: Path,
+) -> None:
+    pooled = through(isolated_settings, pgbouncers("session", 40))
+    topic, table = await new_topic(partitions=4), effects_table(engine)
+    env = _daemon_env(pooled, topic, table)
+    verdict_, logs = await _pipeline(engine, pooled, env, env, tmp_path)
+    assert verdict_ == (0, 0, 0), verdict_
+    assert "session=PgBouncer in session mode" in logs["relay-1"], logs["relay-1"][-2000:]
+    assert "transaction pooler" not in logs["consumer"], logs["consumer"]
