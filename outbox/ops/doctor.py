@@ -138,10 +138,9 @@ class _Doctor:
         probe = await probe_session(s)
         details = _pooler_details("database_url", probe)
         if probe.stable:
-            note = "; OUTBOX_DB_POOLER=transaction: prepared statements off" * (
-                s.db_pooler == "transaction"
-            )
-            what = f"database_url: {probe.describe()}; every component may use it{note}"
+            what = f"database_url: {probe.describe()}; every component may use it"
+            if s.db_pooler == "transaction":
+                what += " (OUTBOX_DB_POOLER=transaction: prepared statements off anyway)"
             self.add("pooler", "ok", what, **details)
         else:
             own_relay_url = s.relay.database_url is not None
