@@ -95,7 +95,9 @@ async def test_the_probe_tells_the_pool_mode(
 async def test_the_probe_leaves_no_lock_on_a_stable_session(base_settings: OutboxSettings) -> None:
     async with await psycopg.AsyncConnection.connect(base_settings.libpq_dsn) as conn:
         await probe_session(base_settings, conn=conn)
-        cur = await conn.execute("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'")
+        cur = await conn.execute(
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND pid = pg_backend_pid()"
+        )
         assert await cur.fetchone() == (0,)
 
 
