@@ -59,6 +59,11 @@ class RelaySettings(_Section):
         "(lane ownership lives in session advisory locks).",
     )
 
+    @field_validator("database_url")
+    @classmethod
+    def _check_url(cls, value: SecretStr | None) -> SecretStr | None:
+        return None if value is None else _postgres_url(value, "relay.database_url")
+
     batch_size: int = Field(2000, ge=1, le=50_000, description="Rows claimed per batch.")
     pipelines: int = Field(
         2,
@@ -117,11 +122,6 @@ class RelaySettings(_Section):
         "message.max.bytes.",
     )
 
-    @field_validator("database_url")
-    @classmethod
-    def _check_url(cls, value: SecretStr | None) -> SecretStr | None:
-        return None if value is None else _postgres_url(value, "relay.database_url")
-
 
 class ConsumerSettings(_Section):
     """Inbox consumers (``outbox consume``)."""
@@ -131,6 +131,11 @@ class ConsumerSettings(_Section):
         description="SQLAlchemy URL consumers use instead of database_url (unset: "
         "database_url), e.g. a direct one while applications go through a pooler.",
     )
+
+    @field_validator("database_url")
+    @classmethod
+    def _check_url(cls, value: SecretStr | None) -> SecretStr | None:
+        return None if value is None else _postgres_url(value, "consumer.database_url")
 
     max_attempts: int = Field(
         5, ge=1, description="Handler attempts before dead-lettering (a handler may override)."
@@ -181,11 +186,6 @@ class ConsumerSettings(_Section):
     error_message_chars: int = Field(
         500, ge=16, description="Error messages in dead-letter headers are cut to this length."
     )
-
-    @field_validator("database_url")
-    @classmethod
-    def _check_url(cls, value: SecretStr | None) -> SecretStr | None:
-        return None if value is None else _postgres_url(value, "consumer.database_url")
 
 
 class TopicSettings(_Section):
