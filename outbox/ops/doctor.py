@@ -6,7 +6,9 @@ error, the others warnings) and the claim index not bloated; autovacuum storage 
 on the hot tables; sessions idle in a transaction that hold back the xmin horizon; dead
 tuple ratio of the framework's tables; Kafka reachable and every topic with pending rows
 (or named by the caller) present with the expected partition count; relay heartbeats and
-lane coverage; clock skew between this host and the database.
+lane coverage; clock skew between this host and the database; what each database URL goes
+through (PostgreSQL itself, or a pooler in session or transaction mode) and which components
+may use it.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from outbox.errors import OutboxError
 from outbox.ops.kafka_probe import KafkaProbe
 from outbox.ops.lag import default_stale_after
 from outbox.ops.store import OpsStore
+from outbox.poolers import SessionProbe, probe_session
 from outbox.settings import OutboxSettings
 from outbox.tables import Tables, build_tables, hot_tables, set_storage_sql, storage_differences
 
@@ -186,6 +189,60 @@ class _Doctor:
             },
         )
         return [_difference(d) for d in compare_metadata(context, self.tables.metadata)]
+
+    async def poolers(self) -> None:
+        """What each configured database URL goes through, and who may use it: anything may
+        use a session of its own; behind a transaction pooler producers need
+        ``db_pooler=transaction`` (consumers switch by themselves) and the relay refuses."""
+        s = self.settings
+        probe = await probe_session(s)
+        details = _pooler_details("database_url", probe)
+        if probe.stable:
+            what = f"database_url: {probe.describe()}; every component may use it"
+            if s.db_pooler == "transaction":
+                what += " (OUTBOX_DB_POOLER=transaction: prepared statements off anyway)"
+            self.add("pooler", "ok", what, **details)
+        else:
+            own_relay_url = s.relay.database_url is not None
+            todo = []
+            if s.db_pooler != "transaction":
+                todo.append(
+                    "set OUTBOX_DB_POOLER=transaction wherever this URL is used: psycopg's "
+                    "prepared statements fail behind it (consumers turn them off by themselves)"
+                )
+            if not own_relay_url:
+                todo.append(
+                    "set OUTBOX_RELAY__DATABASE_URL to a direct or session-pooled URL of the "
+                    "same database: the relay refuses this one"
+                )
+            level: Level = "error" if not own_relay_url else "warn" if todo else "ok"
+            relay = "the relay uses relay.database_url" if own_relay_url else "the relay may not"
+            what = (
+                f"database_url: {probe.describe()}; producers, consumers and operator tools "
+                f"may use it, {relay}"
+            )
+            self.add("pooler", level, what, "; ".join(todo) or None, **details)
+        for name, url in (
+            ("relay.database_url", s.relay.database_url),
+            ("consumer.database_url", s.consumer.database_url),
+        ):
+            if url is not None:
+                await self._daemon_url(name, s.model_copy(update={"database_url": url}))
+
+    async def _daemon_url(self, name: str, settings: OutboxSettings) -> None:
+        try:
+            probe = await probe_session(settings)
+        except OutboxError as exc:
+            self.add("pooler", "error", f"{name}: {exc}", f"check {name}", url=name)
+            return
+        details = _pooler_details(name, probe)
+        if name.startswith("relay") and not probe.stable:
+            what = f"{name}: {probe.describe()}; the relay refuses it"
+            action = "point it at a direct or session-pooled URL of the same database"
+            self.add("pooler", "error", what, action, **details)
+        else:
+            who = "the relay" if name.startswith("relay") else "consumers"
+            self.add("pooler", "ok", f"{name}: {probe.describe()}; {who} may use it", **details)
 
     async def indexes(self, conn: AsyncConnection, pending: int) -> None:
         declared = {i.name: i for t in self.tables.metadata.sorted_tables for i in t.indexes}
@@ -451,6 +508,10 @@ class _Doctor:
                 self.add("topic", "ok", f"topic {topic!r}: {have} partitions", topic=topic)
 
 
+def _pooler_details(url: str, probe: SessionProbe) -> dict[str, Any]:
+    return {"url": url, "mode": probe.mode, "pooler": probe.pooler, "address": probe.address}
+
+
 async def diagnose(
     engine: AsyncEngine, settings: OutboxSettings, options: DoctorOptions | None = None
 ) -> list[Finding]:
@@ -460,6 +521,7 @@ async def diagnose(
         with translated_errors():
             async with engine.connect() as conn:
                 have_tables = await doctor.migrations(conn)
+                await doctor.poolers()
                 await doctor.clock(conn)
                 await doctor.tls(conn)
                 await doctor.idle_transactions(conn)
