@@ -67,7 +67,7 @@ def _line(r: TopicResult) -> str:
     if r.status == "created":
         return (
             f"created  {r.topic} ({r.partitions} partitions, "
-            f"replication factor {r.replication_factor})"
+            f"replication factor {r.replication_factor}{', ' + r.detail if r.detail else ''})"
         )
     if r.status == "exists":
         return f"exists   {r.topic} ({r.partitions} partitions)"

@@ -20,6 +20,7 @@ from inbox.errors import (
     ConsumerAppNotFound,
     DeadLetterNotFound,
     HandlerConfigurationError,
+    RecordTooLargeForTopic,
     ReplayRefused,
 )
 from inbox.event import InboxEvent
@@ -43,6 +44,7 @@ __all__ = [
     "InboxStore",
     "Metrics",
     "Permanent",
+    "RecordTooLargeForTopic",
     "ReplayRefused",
     "ReplayReport",
     "Retryable",

@@ -31,7 +31,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
 from inbox.app import Consumer
 from inbox.event import InboxEvent, decode
-from inbox.kafka import KafkaSink, dlq_producer, ensure_topics
+from inbox.kafka import KafkaSink, dlq_producer, ensure_topics, start_dlq_producer
 from inbox.metrics import Metrics
 from inbox.processor import PartitionProcessor, process_together
 from inbox.store import InboxStore
@@ -144,6 +144,8 @@ class ConsumerDaemon:
         )
         sessions = async_sessionmaker(self._engine, expire_on_commit=False)
         producer = dlq_producer(settings)
+        # The sink replaces a producer a refused dead letter left unusable (and stops it).
+        sink = KafkaSink(producer, renew=lambda: start_dlq_producer(settings))
         self._kafka = kafka
         try:
             await start_kafka(producer, settings)
@@ -155,14 +157,14 @@ class ConsumerDaemon:
                 "consumer started",
                 extra={"consumer": self.app.name, "topics": list(self.app.topics)},
             )
-            await self._loop(stop, sessions, KafkaSink(producer))
+            await self._loop(stop, sessions, sink)
         finally:
             self._running = False
             if self._watcher is not None:
                 self._watcher.cancel()
             await self.release(list(self._lanes))
             await kafka.stop()  # leaves the group so partitions move on at once
-            await producer.stop()
+            await sink.stop()
             await self._engine.dispose()
             await self._autocommit.dispose()
             log.info("consumer stopped", extra={"consumer": self.app.name, **self._counts()})

@@ -16,12 +16,17 @@ from aiokafka import AIOKafkaConsumer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
 
-async def create_topic(bootstrap: str, name: str | None = None, partitions: int = 1) -> str:
+async def create_topic(
+    bootstrap: str,
+    name: str | None = None,
+    partitions: int = 1,
+    configs: dict[str, str] | None = None,
+) -> str:
     name = name or f"t-{uuid.uuid4().hex[:12]}"
     admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
     await admin.start()
     try:
-        await admin.create_topics([NewTopic(name, partitions, 1)])
+        await admin.create_topics([NewTopic(name, partitions, 1, topic_configs=configs or {})])
     finally:
         await admin.close()
     return name
