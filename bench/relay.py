@@ -231,7 +231,12 @@ def db_ceiling(settings: OutboxSettings, topic: str, rows: int) -> tuple[float, 
                     if use_store:
                         rot = (rot + 1) % len(lanes)
                         cur.execute(
-                            store.claim, {"lanes": lanes[rot:] + lanes[:rot], "limit": 2000}
+                            store.claim,
+                            {
+                                "lanes": lanes[rot:] + lanes[:rot],
+                                "limit": 2000,
+                                "max_bytes": settings.relay.max_inflight_bytes,
+                            },
                         )
                     else:
                         cur.execute(plain)  # type: ignore[arg-type]

@@ -96,6 +96,15 @@ class RelaySettings(_Section):
         description="Largest Kafka record batch per partition; keep below the broker's "
         "message.max.bytes.",
     )
+    max_inflight_bytes: int = Field(
+        64 * 1024 * 1024,
+        ge=1024 * 1024,
+        description="Payload bytes one relay holds at once, whatever the row sizes: each "
+        "pipeline's claim stops adding rows past its share (this / pipelines; always at "
+        "least one row), and batches handed to Kafka but not yet answered (timed-out ones "
+        "included) count against it until Kafka answers. Peak memory is about the idle "
+        "footprint plus twice this.",
+    )
 
 
 class ConsumerSettings(_Section):
