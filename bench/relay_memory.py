@@ -23,12 +23,13 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from pathlib import Path
 
 import psycopg
 
 from bench.common import create_topic, drop_schema, scratch_settings
-from outbox.daemon import kafka_environment
+from bench.relay import pending, relay_env
 from outbox.envelope import lane_for
 from outbox.settings import OutboxSettings
 
@@ -47,8 +48,6 @@ def status_kib(pid: int) -> dict[str, int]:
 
 def fill(settings: OutboxSettings, topic: str, rows: int, row_bytes: int) -> None:
     """Commit ``rows`` pending events of ``row_bytes`` each, 20 rows per statement."""
-    import uuid
-
     keys = [f"k{i}".encode() for i in range(KEYS)]
     lanes = [lane_for(k, uuid.uuid4(), settings.lanes) for k in keys]
     events = f'"{settings.db_schema}"."{settings.table_prefix}events"'
@@ -78,28 +77,6 @@ def fill(settings: OutboxSettings, topic: str, rows: int, row_bytes: int) -> Non
         conn.commit()
 
 
-def pending(settings: OutboxSettings) -> int:
-    events = f'"{settings.db_schema}"."{settings.table_prefix}events"'
-    with psycopg.connect(settings.libpq_dsn) as conn:
-        row = conn.execute(f"SELECT count(*) FROM {events} WHERE published_at IS NULL").fetchone()
-    return int(row[0]) if row else 0
-
-
-def relay_env(settings: OutboxSettings) -> dict[str, str]:
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith("OUTBOX_") or k.startswith("OUTBOX_RELAY__")
-    }
-    env.update(
-        OUTBOX_DATABASE_URL=settings.database_url.get_secret_value(),
-        OUTBOX_DB_SCHEMA=settings.db_schema,
-        OUTBOX_MAX_PAYLOAD_BYTES=str(max(settings.max_payload_bytes, 1_048_576)),
-        **kafka_environment(settings),
-    )
-    return env
-
-
 def drain(
     settings: OutboxSettings, topic: str, rows: int, row_bytes: int, outbox: str, logs: Path
 ) -> tuple[float, int, int, list[int]]:
@@ -107,9 +84,11 @@ def drain(
     it at once, as after a restart); (seconds from that commit until the outbox is empty,
     peak KiB, idle KiB before the backlog, RSS samples in KiB)."""
     log = (logs / "relay.log").open("wb")
+    env = relay_env(settings)
+    env["OUTBOX_MAX_PAYLOAD_BYTES"] = str(max(row_bytes + 4096, settings.max_payload_bytes))
     proc = subprocess.Popen(
         [outbox, "--log-level", "WARNING", "relay"],
-        env=relay_env(settings),
+        env=env,
         stdout=log,
         stderr=subprocess.STDOUT,
     )
