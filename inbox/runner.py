@@ -395,13 +395,18 @@ class _Lane:
     idle: asyncio.Event = field(default_factory=asyncio.Event)
     position: int = -1
     paused: bool = False
+    fetched_bytes: int = 0  # payload bytes of `events`
 
     def feed(self, records: list[ConsumerRecord[bytes, bytes]]) -> None:
-        self.events.extend(map(decode, records))
+        fresh = list(map(decode, records))
+        self.events.extend(fresh)
+        self.fetched_bytes += _payload_bytes(fresh)
         self.wake.set()
-        # Backpressure: stop fetching this partition while it is far behind.
-        limit = self.daemon.settings.consumer.max_batch_records * 4
-        if len(self.events) >= limit and not self.paused:
+        # Backpressure: stop fetching this partition while it is far behind, in records
+        # or in bytes (large records).
+        config = self.daemon.settings.consumer
+        behind = len(self.events) >= config.max_batch_records * 4
+        if (behind or self.fetched_bytes >= config.max_fetched_bytes) and not self.paused:
             assert self.daemon._kafka is not None
             self.daemon._kafka.pause(self.tp)
             self.paused = True
@@ -497,8 +502,15 @@ class _Lane:
 
     def _trim(self) -> None:
         """Drop what is finished; the rest (a stop or an error) is tried again."""
-        del self.events[: bisect.bisect_left(self.events, self.position, key=_offset)]
-        if self.paused and len(self.events) < self.daemon.settings.consumer.max_batch_records:
+        done = bisect.bisect_left(self.events, self.position, key=_offset)
+        self.fetched_bytes -= _payload_bytes(self.events[:done])
+        del self.events[:done]
+        config = self.daemon.settings.consumer
+        if (
+            self.paused
+            and len(self.events) < config.max_batch_records
+            and self.fetched_bytes < config.max_fetched_bytes // 2
+        ):
             self.paused = False
             with contextlib.suppress(IllegalStateError):
                 assert self.daemon._kafka is not None
@@ -566,3 +578,7 @@ def _cause(exc: BaseException) -> str:
 
 def _offset(event: InboxEvent) -> int:
     return event.offset
+
+
+def _payload_bytes(events: Sequence[InboxEvent]) -> int:
+    return sum(len(e.value) for e in events if e.value is not None)

@@ -136,6 +136,13 @@ class ConsumerSettings(_Section):
     max_batch_records: int = Field(
         500, ge=1, le=100_000, description="Records handled in one partition transaction."
     )
+    max_fetched_bytes: int = Field(
+        16 * 1024 * 1024,
+        ge=1024 * 1024,
+        description="Payload bytes fetched but not yet finished per partition above which "
+        "its fetching pauses (as it does past 4 x max_batch_records records), so large "
+        "records cannot fill the consumer's memory; it resumes below half.",
+    )
     max_concurrent_partitions: int = Field(
         8, ge=1, le=1024, description="Partitions processed at once (each holds a connection)."
     )
