@@ -78,7 +78,12 @@ async def ensure_topics(settings: OutboxSettings, topics: Sequence[str]) -> None
             partitions = source["partitions"]
             replicas = len(partitions[0]["replicas"]) if partitions else 1
             missing[topic] = (max(len(partitions), 1), replicas)
-        limits, unreadable = await describe_limits(admin, [*topics, *(t + suffix for t in present)])
+        try:
+            limits, unreadable = await describe_limits(
+                admin, [*topics, *(t + suffix for t in present)]
+            )
+        except KafkaError as exc:  # sizing is worth a try, not a reason to stay down
+            limits, unreadable = {}, dict.fromkeys(topics, exc)
         if missing:
             await _create_dead_letter_topics(admin, settings, missing, limits, unreadable)
         for topic in present:

@@ -6,9 +6,10 @@ order holds.
 
 Per batch, in one transaction: claim (delete or mark) up to ``batch_size`` rows of the
 pipeline's lanes — fewer when their payloads pass its share of ``max_inflight_bytes`` —
-send them, wait for the acks, put back every row Kafka did not acknowledge, commit. A lane's next rows are only claimed after that commit, so a batch is
-fully settled before its lane moves on; an unacknowledged row keeps its id and is sent
-again before anything that follows it.
+send them, wait for the acks, put back every row Kafka did not acknowledge, commit. A
+lane's next rows are only claimed after that commit, so a batch is fully settled before
+its lane moves on; an unacknowledged row keeps its id and is sent again before anything
+that follows it.
 
 Wake-ups: adaptive polling, no NOTIFY. Measured on this machine (bench/relay.py,
 PostgreSQL 15, 8 producer clients, one-row transactions): a statement-level AFTER INSERT

@@ -421,10 +421,9 @@ async def test_a_dead_letter_topic_refusing_large_records_keeps_them_in_the_data
         assert markers[0].headers["dlq_value_bytes"] == str(len(records[0][1])).encode()
         assert "ce_id" not in markers[0].headers  # a marker is not the event
         metrics = await asyncio.to_thread(_scrape, port)
-        assert (
-            f'outbox_inbox_dead_letters_refused_total{{consumer="{group}",topic="{dlq}"}} 2.0'
-            in metrics
-        ), metrics
+        assert f'outbox_inbox_dead_letters_refused_total{{consumer="{group}"}} 2.0' in metrics, (
+            metrics
+        )
 
         listing = subprocess.run(
             ["outbox", "dlq", "list", "--consumer", group], env=env, capture_output=True, check=True
