@@ -48,6 +48,7 @@ from relay.store import (
     SOURCE,
     TOPIC,
     ClaimedRow,
+    payload_bytes,
 )
 
 log = logging.getLogger("relay.publisher")
@@ -268,7 +269,7 @@ class Publisher:
             return outcome
         timeout = self._settings.relay.ack_timeout_seconds
         budget = self._inflight
-        taken = await budget.acquire(sum(len(row[PAYLOAD]) for row in rows), timeout)
+        taken = await budget.acquire(sum(map(payload_bytes, rows)), timeout)
         if taken is None:
             busy = BrokerUnavailable(
                 "Kafka has not answered for earlier batches (relay.max_inflight_bytes in flight)"

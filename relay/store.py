@@ -53,6 +53,14 @@ ClaimedRow = tuple[Any, ...]
 # Payload bytes per statement when claimed rows are put back (see RelayStore.restore_chunks).
 RESTORE_CHUNK_BYTES = 4 * 1024 * 1024
 
+
+def payload_bytes(row: ClaimedRow) -> int:
+    """A claimed row's payload size, as the claim's byte budget counts it (a row without
+    a payload counts 0, in SQL as here)."""
+    payload: bytes | None = row[PAYLOAD]
+    return len(payload) if payload is not None else 0
+
+
 # Session options of the relay's claim connections. The outbox swings between empty, huge
 # and full of dead tuples, so table statistics are usually wrong; the planner then likes a
 # bitmap scan + sort per lane, which reads every row of the lane (dead ones included, and a
@@ -148,7 +156,7 @@ class RelayStore:
             " WHERE pg_try_advisory_xact_lock({fence}, u.lane)"
             "), picked AS ("
             " SELECT c.id, c.size FROM fenced f CROSS JOIN LATERAL ("
-            "  SELECT e.id, octet_length(e.payload) AS size FROM {events} e"
+            "  SELECT e.id, coalesce(octet_length(e.payload), 0) AS size FROM {events} e"
             "  WHERE e.lane = f.lane AND e.published_at IS NULL AND e.available_at <= now()"
             "  ORDER BY e.id LIMIT %(limit)s FOR UPDATE SKIP LOCKED"
             " ) c LIMIT %(limit)s"
@@ -236,12 +244,12 @@ class RelayStore:
         large rows is put back a few megabytes at a time."""
         start, size = 0, 0
         for i, row in enumerate(rows):
-            if i > start and size + len(row[PAYLOAD]) > RESTORE_CHUNK_BYTES:
+            if i > start and size + payload_bytes(row) > RESTORE_CHUNK_BYTES:
                 yield cls.restore_params(
                     rows[start:i], attempts[start:i], errors[start:i], delays[start:i]
                 )
                 start, size = i, 0
-            size += len(row[PAYLOAD])
+            size += payload_bytes(row)
         if start < len(rows):
             yield cls.restore_params(rows[start:], attempts[start:], errors[start:], delays[start:])
 
