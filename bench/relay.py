@@ -5,6 +5,7 @@ latency at a steady rate; and the cost of a NOTIFY trigger on producer commits.
     python -m bench.relay                       # defaults: 200,000 rows, ~2-3 minutes
     python -m bench.relay --rows 50000 --relays 1,2
     python -m bench.relay --rows 50000 --kafka-security secure.env   # SASL_SSL vs plaintext
+    python -m bench.relay --rows 100000 --vs ../old/.venv/bin/outbox  # this build vs another
 
 ``--kafka-security FILE`` only compares one relay draining the backlog over the plaintext
 settings of the environment and over the Kafka settings in FILE (a dotenv file with
@@ -107,14 +108,21 @@ def relay_env(settings: OutboxSettings) -> dict[str, str]:
     env.setdefault("OUTBOX_RELAY__HEARTBEAT_SECONDS", "0.5")
     env.update(
         OUTBOX_DATABASE_URL=settings.database_url.get_secret_value(),
+        OUTBOX_DB_SCHEMA=settings.db_schema,
         **kafka_environment(settings),
     )
     return env
 
 
-def start_relays(settings: OutboxSettings, n: int, logs: Path) -> list[subprocess.Popen[bytes]]:
+def own_outbox() -> str:
     exe = Path(sys.executable).with_name("outbox")
-    command = [str(exe) if exe.exists() else "outbox"]
+    return str(exe) if exe.exists() else "outbox"
+
+
+def start_relays(
+    settings: OutboxSettings, n: int, logs: Path, exe: str | None = None
+) -> list[subprocess.Popen[bytes]]:
+    command = [exe or own_outbox()]
     if tracing.enabled():
         command = [sys.executable, "-m", "bench.tracing"]
     return [
@@ -154,11 +162,13 @@ def wait_balanced(settings: OutboxSettings, n: int, timeout: float = 60) -> None
     raise RuntimeError(f"{n} relays did not share the lanes within {timeout} s")
 
 
-def drain_with_relays(settings: OutboxSettings, topic: str, rows: int, n: int, logs: Path) -> float:
+def drain_with_relays(
+    settings: OutboxSettings, topic: str, rows: int, n: int, logs: Path, exe: str | None = None
+) -> float:
     """Events/s of ``n`` relay processes draining a ``rows`` backlog. The relays are
     started and balanced first; the backlog appears in one commit and the clock runs from
     that commit until the outbox is empty (process start-up is not measured)."""
-    procs = start_relays(settings, n, logs)
+    procs = start_relays(settings, n, logs, exe)
     try:
         wait_balanced(settings, n)
         t0 = fill(settings, topic, rows, analyze=False)
@@ -230,7 +240,12 @@ def db_ceiling(settings: OutboxSettings, topic: str, rows: int) -> tuple[float, 
                     if use_store:
                         rot = (rot + 1) % len(lanes)
                         cur.execute(
-                            store.claim, {"lanes": lanes[rot:] + lanes[:rot], "limit": 2000}
+                            store.claim,
+                            {
+                                "lanes": lanes[rot:] + lanes[:rot],
+                                "limit": 2000,
+                                "max_bytes": settings.relay.max_inflight_bytes,
+                            },
                         )
                     else:
                         cur.execute(plain)  # type: ignore[arg-type]
@@ -393,6 +408,29 @@ def compare_security(
     return rates
 
 
+def compare_builds(
+    settings: OutboxSettings, other: str, rows: int, partitions: int, pairs: int, logs: Path
+) -> list[float]:
+    """One relay of this build and one of ``other`` (an ``outbox`` executable) drain the
+    same backlog in turn, ``pairs`` times (who goes first alternates); returns this/other
+    per adjacent pair."""
+    ratios = []
+    builds = [("this", own_outbox()), ("other", other)]
+    for i in range(pairs):
+        rates = {}
+        for name, exe in builds if i % 2 == 0 else builds[::-1]:
+            topic = asyncio.run(create_topic(settings, partitions))
+            rates[name] = drain_with_relays(settings, topic, rows, 1, logs, exe)
+            print(
+                f"pair {i + 1} {name:5s} ({exe}): {rates[name]:,.0f} events/s "
+                f"(loadavg {os.getloadavg()[0]:.2f})"
+            )
+        ratios.append(rates["this"] / rates["other"])
+        print(f"pair {i + 1} this/other: {ratios[-1]:.2f}")
+    print(f"this/other per pair: {', '.join(f'{r:.2f}' for r in ratios)}")
+    return ratios
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--rows", type=int, default=200_000)
@@ -407,6 +445,13 @@ def main() -> None:
         metavar="ENV_FILE",
         help="only compare 1 relay over plaintext vs the Kafka settings in ENV_FILE",
     )
+    ap.add_argument(
+        "--vs",
+        metavar="OUTBOX",
+        help="only compare 1 relay of this build against another build's `outbox` "
+        "executable draining the same backlog, alternately, --pairs times",
+    )
+    ap.add_argument("--pairs", type=int, default=3)
     args = ap.parse_args()
 
     base = OutboxSettings()
@@ -426,6 +471,10 @@ def main() -> None:
     results: dict[str, object] = {}
     try:
         migrate.upgrade(settings)
+        if args.vs:
+            ratios = compare_builds(settings, args.vs, args.rows, args.partitions, args.pairs, logs)
+            print(json.dumps({"this_over_other": ratios}))
+            return
         if args.kafka_security:
             secured = with_kafka_from(settings, args.kafka_security)
             results = dict(compare_security(settings, secured, args.rows, args.partitions, logs))

@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from cli.context import confirm, error, not_found, notice, out, run, settings_of
-from inbox import DeadLetterFilter, DeadLetters
+from inbox import DeadLetter, DeadLetterFilter, DeadLetters
 from outbox.settings import OutboxSettings
 
 app = typer.Typer(help="Inspect and replay dead-lettered events.", no_args_is_help=True)
@@ -67,7 +67,9 @@ def list_(
     """List dead letters (oldest first) with their state: dead, replaying or processed."""
     where = _filter(consumer, None, topic, event_type, error_class, older_than_hours)
     letters = _with(settings_of(ctx), lambda d: d.list(where, limit))
-    table = Table("consumer", "event_id", "type", "origin", "error", "attempts", "state", "at")
+    table = Table(
+        "consumer", "event_id", "type", "origin", "error", "attempts", "state", "dlq", "at"
+    )
     for x in letters:
         table.add_row(
             x.consumer,
@@ -77,6 +79,7 @@ def list_(
             x.error_class,
             str(x.attempts),
             x.inbox_status or "forgotten",
+            _on_topic(x),
             x.dead_lettered_at.isoformat(timespec="seconds"),
         )
     # Piped output (grep, scripts) must not be cut to 80 columns with ellipses.
@@ -97,7 +100,7 @@ def show(
         ("event_id", x.event_id),
         ("type", x.event_type),
         ("origin", f"{x.topic} partition {x.partition} offset {x.offset}"),
-        ("dead-letter topic", f"{x.dlq_topic} partition {x.dlq_partition} offset {x.dlq_offset}"),
+        ("dead-letter topic", _dlq_place(x)),
         ("error", f"{x.error_class}: {x.error_message}"),
         ("attempts", x.attempts),
         ("dead-lettered at", x.dead_lettered_at.isoformat()),
@@ -109,6 +112,23 @@ def show(
         out.print(f"[bold]{label}:[/] {value}", highlight=False)
     for name, raw in x.headers:
         out.print(f"  header {name} = {raw.decode('utf-8', 'replace')}", highlight=False)
+
+
+def _on_topic(x: DeadLetter) -> str:
+    """What the dead-letter topic holds of it: the record, a marker, or nothing."""
+    if x.dlq_refused is None:
+        return "record"
+    return "marker" if x.dlq_offset is not None else "none"
+
+
+def _dlq_place(x: DeadLetter) -> str:
+    at = f"partition {x.dlq_partition} offset {x.dlq_offset}"
+    if x.dlq_refused is None:
+        return f"{x.dlq_topic} {at}"
+    kept = "the full record is kept here only (replay works from here)"
+    if x.dlq_offset is None:
+        return f"{x.dlq_topic} refused the record and its marker ({x.dlq_refused}); {kept}"
+    return f"{x.dlq_topic} refused the record ({x.dlq_refused}): a marker at {at}; {kept}"
 
 
 @app.command()

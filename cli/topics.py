@@ -70,7 +70,8 @@ def _line(r: TopicResult) -> str:
     if r.status == "created":
         return (
             f"created  {r.topic} ({r.partitions} partitions, "
-            f"replication factor {r.replication_factor}{compacted})"
+            f"replication factor {r.replication_factor}{compacted}"
+            f"{', ' + r.detail if r.detail else ''})"
         )
     if r.status == "exists":
         return f"exists   {r.topic} ({r.partitions} partitions{compacted})"

@@ -20,6 +20,7 @@ from inbox.errors import (
     ConsumerAppNotFound,
     DeadLetterNotFound,
     HandlerConfigurationError,
+    RecordTooLargeForTopic,
     ReplayRefused,
     TombstoneRefused,
 )
@@ -44,6 +45,7 @@ __all__ = [
     "InboxStore",
     "Metrics",
     "Permanent",
+    "RecordTooLargeForTopic",
     "ReplayRefused",
     "ReplayReport",
     "Retryable",

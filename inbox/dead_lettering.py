@@ -1,6 +1,14 @@
 """Dead-lettering one event: produce the original record to ``<topic>.dlq`` with error
 headers, record it in the ``dead_letters`` table, and mark its inbox row, in the caller's
 transaction. Also the skip-or-dead-letter policy for unknown types and malformed records.
+
+A dead letter the dead-letter topic refuses as too large (a topic someone else made with a
+smaller ``max.message.bytes`` than its source) must not stop the partition: the table
+keeps the full record (key, value, headers) whatever Kafka says, so the event is recorded
+there with the refusal, and a *marker* — the key and the ``dlq_*`` headers, no value, no
+original headers — goes to the topic instead, naming where the record is. The refusal is
+counted and logged once per topic with what to change. ``outbox dlq`` lists, shows and
+replays such letters from the table like any other.
 """
 
 from __future__ import annotations
@@ -12,9 +20,12 @@ from typing import Protocol
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from inbox import failures, tracing
+from inbox.errors import RecordTooLargeForTopic
 from inbox.event import InboxEvent
 from inbox.failures import Failure
+from inbox.metrics import Metrics
 from inbox.store import DEAD_LETTERED, InboxStore
+from outbox.ops.record_limits import header_room
 from outbox.settings import ConsumerSettings
 
 log = logging.getLogger("outbox.inbox")
@@ -34,6 +45,7 @@ class DeadLetterer:
     config: ConsumerSettings
     store: InboxStore
     sink: DeadLetterSink
+    metrics: Metrics
 
     async def apply_policy(self, session: AsyncSession, event: InboxEvent) -> bool:
         """Unknown type or malformed record: dead-letter or skip. True if dead-lettered."""
@@ -75,8 +87,7 @@ class DeadLetterer:
         if not claimed:
             return False
         dlq_topic = event.topic + self.config.dlq_suffix
-        headers = [
-            *event.headers,
+        dlq = [
             ("dlq_error_class", failure.error_class.encode()),
             ("dlq_error_message", failure.message.encode()),
             ("dlq_attempts", str(attempts).encode()),
@@ -85,7 +96,13 @@ class DeadLetterer:
             ("dlq_original_partition", str(event.partition).encode()),
             ("dlq_original_offset", str(event.offset).encode()),
         ]
-        partition, offset = await self.sink.send(dlq_topic, event.key, event.value, headers)
+        refused: RecordTooLargeForTopic | None = None
+        at: tuple[int, int] | None
+        try:
+            at = await self.sink.send(dlq_topic, event.key, event.value, [*event.headers, *dlq])
+        except RecordTooLargeForTopic as exc:
+            refused = exc
+            at = await self._send_marker(event, exc, dlq)
         tracing.dead_lettered(event, self.consumer, failure, attempts, dlq_topic)
         await self.store.add_dead_letter(
             session,
@@ -95,8 +112,9 @@ class DeadLetterer:
             error_message=failure.message,
             attempts=attempts,
             dlq_topic=dlq_topic,
-            dlq_partition=partition,
-            dlq_offset=offset,
+            dlq_partition=at[0] if at else None,
+            dlq_offset=at[1] if at else None,
+            dlq_refused=refused.error if refused else None,
         )
         log.warning(
             "dead-lettered",
@@ -108,6 +126,37 @@ class DeadLetterer:
                 "offset": event.offset,
                 "error": failure.error_class,
                 "attempts": attempts,
+                **({"dlq_refused": refused.error} if refused else {}),
             },
         )
         return True
+
+    async def _send_marker(
+        self, event: InboxEvent, refused: RecordTooLargeForTopic, dlq: list[tuple[str, bytes]]
+    ) -> tuple[int, int] | None:
+        """The dead-letter topic refused the record as too large: count and report it, and
+        send the marker (None when even that is refused; the table has the record)."""
+        if self.metrics.dead_letter_refused(refused.topic) == 1:
+            log.warning(
+                "dead-letter topic %s refuses a record of %d bytes (%s): such records are "
+                "kept in the database (outbox dlq list --consumer %s --topic %s), a marker "
+                "without the value goes to the topic. Raise the topic's max.message.bytes to "
+                "its source topic's plus %d bytes (outbox doctor compares them)",
+                refused.topic,
+                refused.size,
+                refused.error,
+                self.consumer,
+                event.topic,
+                header_room(self.config.error_message_chars),
+                extra={"topic": refused.topic, "consumer": self.consumer, "error": refused.error},
+            )
+        marker = [
+            *dlq,
+            ("dlq_event_id", event.event_id.encode()),
+            ("dlq_value_bytes", str(len(event.value or b"")).encode()),
+            ("dlq_stored_in", b"database"),
+        ]
+        try:
+            return await self.sink.send(refused.topic, event.key, b"", marker)
+        except RecordTooLargeForTopic:
+            return None

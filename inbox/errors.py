@@ -13,6 +13,22 @@ class ConsumerAppNotFound(ConfigurationError):
     """``outbox consume MODULE:ATTR`` could not import or find the consumer object."""
 
 
+class RecordTooLargeForTopic(ConfigurationError):
+    """Kafka refuses a record on ``topic`` as too large: the topic's ``max.message.bytes``
+    (or the broker's ``message.max.bytes``, or this client's ``max_request_size``) is
+    below its size. Retrying sends the same bytes again. A dead letter refused so is kept
+    in the database with a marker on the topic (nothing stops); a replay stops with it."""
+
+    def __init__(self, topic: str, size: int, error: str) -> None:
+        super().__init__(
+            f"Kafka refuses the record of {size} bytes on {topic!r}: {error}; raise the "
+            "topic's max.message.bytes (and the broker's), or make the event smaller"
+        )
+        self.topic = topic
+        self.size = size
+        self.error = error
+
+
 class DeadLetterNotFound(OutboxError):
     """No dead letter matches the given consumer and event id."""
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter as Tally
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -12,6 +13,8 @@ COUNTERS = {
     "duplicates": "Redelivered events skipped by dedupe.",
     "retries": "Handler attempts retried after an error.",
     "dead_lettered": "Events sent to a dead-letter topic.",
+    "dead_letters_refused": "Dead letters Kafka refused as too large for their dead-letter "
+    "topic (kept in the database; a marker without the value sent instead).",
     "skipped": "Unknown or malformed events skipped by policy.",
     "stale": "Events older than their key's applied sequence, skipped by the guard.",
 }
@@ -39,6 +42,7 @@ class Metrics:
             registry=self.registry,
             buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1, 5),
         ).labels(self.consumer)
+        self._refused_by_topic: Tally[str] = Tally()  # which topic: in the log line
         self.counts = dict.fromkeys(COUNTERS, 0)
 
     def _inc(self, name: str, n: int) -> None:
@@ -63,6 +67,13 @@ class Metrics:
 
     def stale(self, n: int = 1) -> None:
         self._inc("stale", n)
+
+    def dead_letter_refused(self, topic: str) -> int:
+        """Count a dead letter ``topic`` refused as too large; returns how many it has
+        refused so far (1: the first, worth a log line)."""
+        self._inc("dead_letters_refused", 1)
+        self._refused_by_topic[topic] += 1
+        return self._refused_by_topic[topic]
 
     def handler_seconds(self, seconds: float) -> None:
         self._handler_seconds.observe(seconds)

@@ -157,7 +157,7 @@ class PartitionProcessor:
     _failed: tuple[int, Exception] | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
-        self._dead = DeadLetterer(self.app.name, self.config, self.store, self.sink)
+        self._dead = DeadLetterer(self.app.name, self.config, self.store, self.sink, self.metrics)
 
     @property
     def consumer(self) -> str:

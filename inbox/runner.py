@@ -31,7 +31,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
 from inbox.app import Consumer
 from inbox.event import InboxEvent, decode
-from inbox.kafka import KafkaSink, dlq_producer, ensure_topics
+from inbox.kafka import KafkaSink, dlq_producer, ensure_topics, start_dlq_producer
 from inbox.metrics import Metrics
 from inbox.processor import PartitionProcessor, process_together
 from inbox.store import InboxStore
@@ -146,6 +146,8 @@ class ConsumerDaemon:
         )
         sessions = async_sessionmaker(self._engine, expire_on_commit=False)
         producer = dlq_producer(settings)
+        # The sink replaces a producer a refused dead letter left unusable (and stops it).
+        sink = KafkaSink(producer, renew=lambda: start_dlq_producer(settings))
         self._kafka = kafka
         try:
             await start_kafka(producer, settings)
@@ -157,14 +159,14 @@ class ConsumerDaemon:
                 "consumer started",
                 extra={"consumer": self.app.name, "topics": list(self.app.topics)},
             )
-            await self._loop(stop, sessions, KafkaSink(producer))
+            await self._loop(stop, sessions, sink)
         finally:
             self._running = False
             if self._watcher is not None:
                 self._watcher.cancel()
             await self.release(list(self._lanes))
             await kafka.stop()  # leaves the group so partitions move on at once
-            await producer.stop()
+            await sink.stop()
             await self._engine.dispose()
             await self._autocommit.dispose()
             log.info("consumer stopped", extra={"consumer": self.app.name, **self._counts()})
@@ -403,13 +405,18 @@ class _Lane:
     idle: asyncio.Event = field(default_factory=asyncio.Event)
     position: int = -1
     paused: bool = False
+    fetched_bytes: int = 0  # payload bytes of `events`
 
     def feed(self, records: list[ConsumerRecord[bytes, bytes]]) -> None:
-        self.events.extend(map(decode, records))
+        fresh = list(map(decode, records))
+        self.events.extend(fresh)
+        self.fetched_bytes += _payload_bytes(fresh)
         self.wake.set()
-        # Backpressure: stop fetching this partition while it is far behind.
-        limit = self.daemon.settings.consumer.max_batch_records * 4
-        if len(self.events) >= limit and not self.paused:
+        # Backpressure: stop fetching this partition while it is far behind, in records
+        # or in bytes (large records).
+        config = self.daemon.settings.consumer
+        behind = len(self.events) >= config.max_batch_records * 4
+        if (behind or self.fetched_bytes >= config.max_fetched_bytes) and not self.paused:
             assert self.daemon._kafka is not None
             self.daemon._kafka.pause(self.tp)
             self.paused = True
@@ -505,8 +512,15 @@ class _Lane:
 
     def _trim(self) -> None:
         """Drop what is finished; the rest (a stop or an error) is tried again."""
-        del self.events[: bisect.bisect_left(self.events, self.position, key=_offset)]
-        if self.paused and len(self.events) < self.daemon.settings.consumer.max_batch_records:
+        done = bisect.bisect_left(self.events, self.position, key=_offset)
+        self.fetched_bytes -= _payload_bytes(self.events[:done])
+        del self.events[:done]
+        config = self.daemon.settings.consumer
+        if (
+            self.paused
+            and len(self.events) < config.max_batch_records
+            and self.fetched_bytes < config.max_fetched_bytes // 2
+        ):
             self.paused = False
             with contextlib.suppress(IllegalStateError):
                 assert self.daemon._kafka is not None
@@ -574,3 +588,7 @@ def _cause(exc: BaseException) -> str:
 
 def _offset(event: InboxEvent) -> int:
     return event.offset
+
+
+def _payload_bytes(events: Sequence[InboxEvent]) -> int:
+    return sum(len(e.value) for e in events if e.value is not None)

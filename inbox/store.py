@@ -78,6 +78,7 @@ class DeadLetter:
     dlq_topic: str
     dlq_partition: int | None
     dlq_offset: int | None
+    dlq_refused: str | None  # the topic refused the record as too large (kept here only)
     dead_lettered_at: dt.datetime
     replays: int
     replayed_at: dt.datetime | None
@@ -502,6 +503,7 @@ class InboxStore:
         dlq_topic: str,
         dlq_partition: int | None,
         dlq_offset: int | None,
+        dlq_refused: str | None = None,
     ) -> None:
         t = self.tables.dead_letters
         values: dict[str, Any] = {
@@ -519,6 +521,7 @@ class InboxStore:
             "dlq_topic": dlq_topic,
             "dlq_partition": dlq_partition,
             "dlq_offset": dlq_offset,
+            "dlq_refused": dlq_refused,
             "dead_lettered_at": func.now(),
         }
         stmt = insert(t).values(consumer=consumer, event_id=event.event_id, **values)

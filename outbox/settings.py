@@ -121,6 +121,15 @@ class RelaySettings(_Section):
         description="Largest Kafka record batch per partition; keep below the broker's "
         "message.max.bytes.",
     )
+    max_inflight_bytes: int = Field(
+        64 * 1024 * 1024,
+        ge=1024 * 1024,
+        description="Payload bytes one relay holds at once, whatever the row sizes: each "
+        "pipeline's claim stops adding rows past its share (this / pipelines; always at "
+        "least one row), and batches handed to Kafka but not yet answered (timed-out ones "
+        "included) count against it until Kafka answers. Peak memory is about the idle "
+        "footprint plus twice this.",
+    )
 
 
 class ConsumerSettings(_Section):
@@ -162,6 +171,13 @@ class ConsumerSettings(_Section):
     )
     max_batch_records: int = Field(
         500, ge=1, le=100_000, description="Records handled in one partition transaction."
+    )
+    max_fetched_bytes: int = Field(
+        16 * 1024 * 1024,
+        ge=1024 * 1024,
+        description="Payload bytes fetched but not yet finished per partition above which "
+        "its fetching pauses (as it does past 4 x max_batch_records records), so large "
+        "records cannot fill the consumer's memory; it resumes below half.",
     )
     max_concurrent_partitions: int = Field(
         8, ge=1, le=1024, description="Partitions processed at once (each holds a connection)."

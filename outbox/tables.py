@@ -228,6 +228,9 @@ def _dead_letters(md: MetaData, prefix: str) -> Table:
         Column("dlq_topic", Text, nullable=False),
         Column("dlq_partition", Integer, nullable=True),
         Column("dlq_offset", BigInteger, nullable=True),
+        # Kafka's error when the dead-letter topic refused the record as too large: the
+        # record is kept here only, a marker (no value) went to the topic.
+        Column("dlq_refused", Text, nullable=True),
         Column("dead_lettered_at", DateTime(timezone=True), nullable=False, server_default=NOW),
         Column("replays", Integer, nullable=False, server_default=text("0")),
         Column("replayed_at", DateTime(timezone=True), nullable=True),

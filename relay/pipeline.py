@@ -5,10 +5,11 @@ claim fence would serialize them if they briefly did during a rebalance), so per
 order holds.
 
 Per batch, in one transaction: claim (delete or mark) up to ``batch_size`` rows of the
-pipeline's lanes, send them, wait for the acks, put back every row Kafka did not
-acknowledge, commit. A lane's next rows are only claimed after that commit, so a batch is
-fully settled before its lane moves on; an unacknowledged row keeps its id and is sent
-again before anything that follows it.
+pipeline's lanes — fewer when their payloads pass its share of ``max_inflight_bytes`` —
+send them, wait for the acks, put back every row Kafka did not acknowledge, commit. A
+lane's next rows are only claimed after that commit, so a batch is fully settled before
+its lane moves on; an unacknowledged row keeps its id and is sent again before anything
+that follows it.
 
 Wake-ups: adaptive polling, no NOTIFY. Measured on this machine (bench/relay.py,
 PostgreSQL 15, 8 producer clients, one-row transactions): a statement-level AFTER INSERT
@@ -86,6 +87,8 @@ class Pipeline:
         self._db_retry = RetryPolicy.from_settings(settings.retry)
         self._conn: psycopg.AsyncConnection[tuple[Any, ...]] | None = None
         self._rotation = 0
+        # This pipeline's share of the relay's memory budget (see RelayStore.claim).
+        self._claim_bytes = max(1, r.max_inflight_bytes // r.pipelines)
 
     def _my_lanes(self) -> list[int]:
         owned = sorted(self._lanes.owned)
@@ -224,10 +227,17 @@ class Pipeline:
                 # backlog. Planning each claim costs well under a millisecond.
                 await cur.execute(
                     self._store.claim,
-                    {"lanes": lanes, "limit": self._settings.relay.batch_size},
+                    {
+                        "lanes": lanes,
+                        "limit": self._settings.relay.batch_size,
+                        "max_bytes": self._claim_bytes,
+                    },
                     prepare=False,
                 )
                 rows = await cur.fetchall()
+                # Drop libpq's copy of the result (as large as the rows) before the
+                # producer makes its own.
+                await cur.close()
                 if rows:
                     # Claimed per lane in id order already; one sort makes it explicit and
                     # costs far less than a round trip.
@@ -290,22 +300,16 @@ class Pipeline:
                 back.append((row, row[ATTEMPTS], str(exc), 0.0))
         store = self._store
         if back:
-            await conn.execute(
-                store.restore,
-                store.restore_params(
-                    [b[0] for b in back],
-                    [b[1] for b in back],
-                    [b[2] for b in back],
-                    [b[3] for b in back],
-                ),
-            )
+            rows_back, attempts, errors, delays = zip(*back, strict=True)
+            for params in store.restore_chunks(rows_back, attempts, errors, delays):
+                await conn.execute(store.restore, params)
         if dead:
-            params = store.restore_params(
+            for params in store.restore_chunks(
                 [d[0] for d in dead], [d[1] for d in dead], [d[2] for d in dead], [0.0] * len(dead)
-            )
-            await conn.execute(store.move_to_failed, params)
-            if store.keep:
-                await conn.execute(store.delete_marked, {"id": params["id"]})
+            ):
+                await conn.execute(store.move_to_failed, params)
+                if store.keep:
+                    await conn.execute(store.delete_marked, {"id": params["id"]})
             for row, attempts, err in dead:
                 log.error(
                     "event moved to failed after %d attempts",

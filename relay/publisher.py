@@ -36,6 +36,7 @@ from outbox.daemon import kafka_producer, kafka_refusal, start_kafka
 from outbox.errors import BrokerUnavailable, ConfigurationError, TopicMissing
 from outbox.settings import OutboxSettings
 from relay.errors import ProducerBroken, RecordRejected, RecordTooLarge
+from relay.inflight import ByteBudget
 from relay.store import (
     CE_ID,
     CE_TIME,
@@ -47,6 +48,7 @@ from relay.store import (
     SOURCE,
     TOPIC,
     ClaimedRow,
+    payload_bytes,
 )
 
 log = logging.getLogger("relay.publisher")
@@ -123,6 +125,7 @@ class Publisher:
         self._outstanding: set[asyncio.Future[Any]] = set()
         self._lock = asyncio.Lock()
         self._missing: set[str] = set()  # topics known to be missing (logged once each)
+        self._inflight = ByteBudget(settings.relay.max_inflight_bytes)
         # Bumped on every (re)start, so that two pipelines seeing the same broken producer
         # reset it once, not twice.
         self.generation = 0
@@ -172,6 +175,8 @@ class Publisher:
         producer, self._producer = self._producer, None
         self._partitions.clear()
         self._outstanding.clear()
+        # Whatever the old producer still holds is dropped with it.
+        self._inflight = ByteBudget(self._settings.relay.max_inflight_bytes)
         if producer is not None:
             await self._close(producer, within)
 
@@ -262,20 +267,30 @@ class Publisher:
             down: Exception = BrokerUnavailable("Kafka producer not connected")
             outcome.failed = dict.fromkeys(range(len(rows)), down)
             return outcome
+        timeout = self._settings.relay.ack_timeout_seconds
+        budget = self._inflight
+        taken = await budget.acquire(sum(map(payload_bytes, rows)), timeout)
+        if taken is None:
+            busy = BrokerUnavailable(
+                "Kafka has not answered for earlier batches (relay.max_inflight_bytes in flight)"
+            )
+            outcome.failed = dict.fromkeys(range(len(rows)), busy)
+            return outcome
         sent: list[tuple[asyncio.Future[Any], list[int]]] = []
         try:
-            await asyncio.wait_for(
-                self._send(producer, rows, outcome, sent), self._settings.relay.ack_timeout_seconds
-            )
+            await asyncio.wait_for(self._send(producer, rows, outcome, sent), timeout)
         except Exception as exc:  # reported per row below
             failure = classify(exc)
             queued = {i for _, idx in sent for i in idx}
             for i in range(len(rows)):
                 if i not in queued and i not in outcome.failed:
                     outcome.failed[i] = failure
+        finally:
+            # The bytes stay taken while Kafka holds the batches, outstanding ones included.
+            budget.release_when_done([f for f, _ in sent], taken)
         if sent:
             futures = [f for f, _ in sent]
-            await asyncio.wait(futures, timeout=self._settings.relay.ack_timeout_seconds)
+            await asyncio.wait(futures, timeout=timeout)
         for fut, idx in sent:
             if not fut.done():
                 self._outstanding.add(fut)

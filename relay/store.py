@@ -20,6 +20,9 @@ Claiming is one statement per batch:
   order with ``FOR UPDATE SKIP LOCKED`` (operator tools never block the relay and vice
   versa); the outer LIMIT stops scanning once the batch is full, and the caller rotates the
   lane list so every lane gets served.
+* a byte budget cuts the picked rows to those whose payloads fit the pipeline's share of
+  ``relay.max_inflight_bytes`` (always at least one row), keeping a prefix of every lane,
+  so a backlog of large rows cannot claim gigabytes at once (see ``_WITHIN_BUDGET``);
 * in delete mode the claim *is* the DELETE (``... RETURNING``): the cheapest way to
   consume a queue row in PostgreSQL (measured ~100k rows/s vs ~85k for SELECT FOR UPDATE
   followed by DELETE by id). Rows Kafka did not acknowledge are put back, with their id,
@@ -33,7 +36,7 @@ Claiming is one statement per batch:
 from __future__ import annotations
 
 import zlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
@@ -47,6 +50,16 @@ ID, LANE, TOPIC, KEY, PAYLOAD, CE_ID, EVENT_TYPE, SOURCE, CONTENT_TYPE, HEADERS,
 ATTEMPTS, FINGERPRINT = 11, 12
 
 ClaimedRow = tuple[Any, ...]
+# Payload bytes per statement when claimed rows are put back (see RelayStore.restore_chunks).
+RESTORE_CHUNK_BYTES = 4 * 1024 * 1024
+
+
+def payload_bytes(row: ClaimedRow) -> int:
+    """A claimed row's payload size, as the claim's byte budget counts it (a row without
+    a payload counts 0, in SQL as here)."""
+    payload: bytes | None = row[PAYLOAD]
+    return len(payload) if payload is not None else 0
+
 
 # Session settings of the relay's claim connections. The outbox swings between empty, huge
 # and full of dead tuples, so table statistics are usually wrong; the planner then likes a
@@ -57,6 +70,21 @@ ClaimedRow = tuple[Any, ...]
 # it passes, so the next poll is fast. Set by a statement after connecting, not as the
 # `options` startup parameter: PgBouncer refuses that one, even in session mode.
 CLAIM_SESSION_SETTINGS = b"SET enable_bitmapscan = off; SET enable_seqscan = off"
+
+# The claim's byte budget, a step of its own after the rows are picked and locked: keep the
+# picked rows while the payload bytes before each (in id order) are under %(max_bytes)s, so
+# the first row always stays and each lane keeps a prefix of its rows (a cut in id order is
+# a cut in every lane's id order: per-lane order holds). octet_length() of a TOASTed value
+# reads the size from its pointer without fetching the value. The window function sits a
+# query level above the row locks (FOR UPDATE is not allowed next to one). Picked rows
+# beyond the budget stay locked, unclaimed, until the batch commits.
+_WITHIN_BUDGET = sql.SQL(
+    "within AS ("
+    " SELECT b.id FROM ("
+    "  SELECT p.id, sum(p.size) OVER (ORDER BY p.id) - p.size AS before FROM picked p"
+    " ) b WHERE b.before < %(max_bytes)s"
+    ") "
+)
 
 _CE_TIME = "to_char({t}.created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"')"
 
@@ -122,28 +150,28 @@ class RelayStore:
     # -- claim / acknowledge ----------------------------------------------------------
     @cached_property
     def claim(self) -> sql.Composed:
-        """Params: lanes (int[] in scan order), limit. Returns ClaimedRow tuples."""
+        """Params: lanes (int[] in scan order), limit, max_bytes. Returns ClaimedRow tuples."""
         picked = sql.SQL(
             "WITH fenced AS MATERIALIZED ("
             " SELECT u.lane FROM unnest(%(lanes)s::int4[]) AS u(lane)"
             " WHERE pg_try_advisory_xact_lock({fence}, u.lane)"
             "), picked AS ("
-            " SELECT c.id FROM fenced f CROSS JOIN LATERAL ("
-            "  SELECT e.id FROM {events} e"
+            " SELECT c.id, c.size FROM fenced f CROSS JOIN LATERAL ("
+            "  SELECT e.id, coalesce(octet_length(e.payload), 0) AS size FROM {events} e"
             "  WHERE e.lane = f.lane AND e.published_at IS NULL AND e.available_at <= now()"
             "  ORDER BY e.id LIMIT %(limit)s FOR UPDATE SKIP LOCKED"
             " ) c LIMIT %(limit)s"
-            ") "
+            "), "
         ).format(fence=sql.Literal(self._ns[2]), events=self._events)
         if self.keep:
             action = sql.SQL(
-                "UPDATE {events} d SET published_at = now() FROM picked p WHERE d.id = p.id"
+                "UPDATE {events} d SET published_at = now() FROM within p WHERE d.id = p.id"
             ).format(events=self._events)
         else:
-            action = sql.SQL("DELETE FROM {events} d USING picked p WHERE d.id = p.id").format(
+            action = sql.SQL("DELETE FROM {events} d USING within p WHERE d.id = p.id").format(
                 events=self._events
             )
-        return picked + action + sql.SQL(" RETURNING ") + _returning("d")
+        return picked + _WITHIN_BUDGET + action + sql.SQL(" RETURNING ") + _returning("d")
 
     @cached_property
     def restore(self) -> sql.Composed:
@@ -166,9 +194,9 @@ class RelayStore:
             " u.content_type, u.payload, u.headers, u.fingerprint, u.created_at,"
             " now() + u.delay * interval '1 second', u.attempts, u.err"
             " FROM unnest(%(id)s::int8[], %(event_id)s::uuid[], %(topic)s::text[],"
-            " %(key)s::bytea[], %(lane)s::int2[], %(event_type)s::text[], %(source)s::text[],"
-            " %(content_type)s::text[], %(payload)s::bytea[], %(headers)s::jsonb[],"
-            " %(fingerprint)s::bytea[], %(created_at)s::timestamptz[], %(delay)s::float8[],"
+            " %(key)b::bytea[], %(lane)s::int2[], %(event_type)s::text[], %(source)s::text[],"
+            " %(content_type)s::text[], %(payload)b::bytea[], %(headers)s::jsonb[],"
+            " %(fingerprint)b::bytea[], %(created_at)s::timestamptz[], %(delay)s::float8[],"
             " %(attempts)s::int4[], %(err)s::text[])"
             " AS u(id, event_id, topic, key, lane, event_type, source, content_type, payload,"
             " headers, fingerprint, created_at, delay, attempts, err)"
@@ -184,9 +212,9 @@ class RelayStore:
             " u.content_type, u.payload, u.headers, u.fingerprint, u.created_at, u.attempts,"
             " u.err"
             " FROM unnest(%(id)s::int8[], %(event_id)s::uuid[], %(topic)s::text[],"
-            " %(key)s::bytea[], %(lane)s::int2[], %(event_type)s::text[], %(source)s::text[],"
-            " %(content_type)s::text[], %(payload)s::bytea[], %(headers)s::jsonb[],"
-            " %(fingerprint)s::bytea[], %(created_at)s::timestamptz[], %(attempts)s::int4[],"
+            " %(key)b::bytea[], %(lane)s::int2[], %(event_type)s::text[], %(source)s::text[],"
+            " %(content_type)s::text[], %(payload)b::bytea[], %(headers)s::jsonb[],"
+            " %(fingerprint)b::bytea[], %(created_at)s::timestamptz[], %(attempts)s::int4[],"
             " %(err)s::text[])"
             " AS u(id, event_id, topic, key, lane, event_type, source, content_type, payload,"
             " headers, fingerprint, created_at, attempts, err)"
@@ -201,6 +229,30 @@ class RelayStore:
         return sql.SQL("DELETE FROM {events} WHERE id = ANY(%(id)s::int8[])").format(
             events=self._events
         )
+
+    @classmethod
+    def restore_chunks(
+        cls,
+        rows: Sequence[ClaimedRow],
+        attempts: Sequence[int],
+        errors: Sequence[str | None],
+        delays: Sequence[float],
+    ) -> Iterator[dict[str, list[Any]]]:
+        """:meth:`restore_params` in pieces of at most ``RESTORE_CHUNK_BYTES`` of payload
+        (at least one row each), one statement each: sending the payloads back costs about
+        twice their size in the client while a statement is built (psycopg's dump, libpq's
+        buffer, which keeps its largest size for the connection's life), so a claim of
+        large rows is put back a few megabytes at a time."""
+        start, size = 0, 0
+        for i, row in enumerate(rows):
+            if i > start and size + payload_bytes(row) > RESTORE_CHUNK_BYTES:
+                yield cls.restore_params(
+                    rows[start:i], attempts[start:i], errors[start:i], delays[start:i]
+                )
+                start, size = i, 0
+            size += payload_bytes(row)
+        if start < len(rows):
+            yield cls.restore_params(rows[start:], attempts[start:], errors[start:], delays[start:])
 
     @staticmethod
     def restore_params(

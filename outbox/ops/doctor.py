@@ -5,10 +5,11 @@ the declared tables); every declared index present and valid (the claim index is
 error, the others warnings) and the claim index not bloated; autovacuum storage parameters
 on the hot tables; sessions idle in a transaction that hold back the xmin horizon; dead
 tuple ratio of the framework's tables; Kafka reachable and every topic with pending rows
-(or named by the caller) present with the expected partition count; relay heartbeats and
-lane coverage; clock skew between this host and the database; what each database URL goes
-through (PostgreSQL itself, or a pooler in session or transaction mode) and which components
-may use it.
+(or named by the caller) present with the expected partition count; dead-letter topics
+that take smaller records than their source topics; relay heartbeats and lane coverage;
+clock skew between this host and the database; what each database URL goes through
+(PostgreSQL itself, or a pooler in session or transaction mode) and which components may
+use it.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from outbox.db import translated_errors
 from outbox.errors import OutboxError
 from outbox.ops.kafka_probe import KafkaProbe
 from outbox.ops.lag import default_stale_after
+from outbox.ops.record_limits import header_room
 from outbox.ops.store import OpsStore
 from outbox.poolers import SessionProbe, probe_session
 from outbox.settings import OutboxSettings
@@ -507,6 +509,50 @@ class _Doctor:
             else:
                 self.add("topic", "ok", f"topic {topic!r}: {have} partitions", topic=topic)
 
+    async def dead_letter_limits(self, conn: AsyncConnection) -> None:
+        """Each existing dead-letter topic of a consumed (or named) topic must take the
+        records its source takes: a larger dead letter is kept in the database only."""
+        suffix = self.settings.consumer.dlq_suffix
+        sources = set((await conn.execute(self.store.consumed_topics)).scalars())
+        sources.update(self.options.topics)
+        sources = {t for t in sources if not t.endswith(suffix)}
+        if not sources:
+            return
+        try:
+            async with KafkaProbe(self.settings) as probe:
+                limits = await probe.limits([*sources, *(t + suffix for t in sources)])
+        except OutboxError as exc:
+            self.add("dead_letter_topic", "warn", f"cannot read topic configs: {exc}")
+            return
+        room = header_room(self.settings.consumer.error_message_chars)
+        pairs = [(t, t + suffix) for t in sorted(sources) if t in limits and t + suffix in limits]
+        small = False
+        for source, dlq in pairs:
+            have, need = limits[dlq].max_message_bytes, limits[source].max_message_bytes
+            if have >= need:
+                continue
+            small = True
+            self.add(
+                "dead_letter_topic",
+                "warn",
+                f"dead-letter topic {dlq!r} takes records up to {have} bytes, its source "
+                f"{source!r} up to {need}: a larger dead letter is kept in the database only "
+                "(a marker without the value goes to the topic)",
+                f"kafka-configs.sh --bootstrap-server {self.settings.kafka_bootstrap_servers} "
+                f"--alter --entity-type topics --entity-name {dlq} "
+                f"--add-config max.message.bytes={need + room}",
+                topic=dlq,
+                max_message_bytes=have,
+                source=source,
+                source_max_message_bytes=need,
+            )
+        if pairs and not small:
+            self.add(
+                "dead_letter_topic",
+                "ok",
+                f"{len(pairs)} dead-letter topic(s) take their source topics' records",
+            )
+
 
 def _pooler_details(url: str, probe: SessionProbe) -> dict[str, Any]:
     return {"url": url, "mode": probe.mode, "pooler": probe.pooler, "address": probe.address}
@@ -533,6 +579,7 @@ async def diagnose(
                     await doctor.relays(conn, pending)
                     if doctor.options.kafka:
                         await doctor.topics(conn)
+                        await doctor.dead_letter_limits(conn)
     except OutboxError as exc:
         doctor.add("database", "error", str(exc), "check the database and database_url")
     return doctor.findings

@@ -1,5 +1,6 @@
 """Read-only questions to Kafka for the operator tools: which topics exist with how many
-partitions, the end offsets of partitions, and a consumer group's committed offsets.
+partitions, how large a record each takes, the end offsets of partitions, and a consumer
+group's committed offsets.
 
 Nothing here produces, joins a group or commits: the offset reader has no group id, so
 looking at a group's lag never disturbs the group.
@@ -21,6 +22,7 @@ from aiokafka.errors import (
 
 from outbox.daemon import kafka_admin, kafka_consumer, partition_counts, start_kafka
 from outbox.errors import BrokerUnavailable
+from outbox.ops.record_limits import TopicLimits, describe_limits
 from outbox.settings import OutboxSettings
 
 _TIMEOUT_MS = 5000
@@ -76,6 +78,12 @@ class KafkaProbe:
         if not wanted:
             return {}
         return partition_counts(await self._call(self._admin.describe_topics(wanted)), wanted)
+
+    async def limits(self, topics: Iterable[str]) -> dict[str, TopicLimits]:
+        """Record size limit and compression of each existing topic this client may
+        describe (the others are left out)."""
+        found, _ = await self._call(describe_limits(self._admin, topics))
+        return found
 
     async def end_offsets(self, partitions: Iterable[TopicPartition]) -> dict[TopicPartition, int]:
         tps = list(partitions)

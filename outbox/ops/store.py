@@ -175,6 +175,13 @@ class OpsStore:
         )
 
     @cached_property
+    def consumed_topics(self) -> Select[Any]:
+        """Topics consumers read, as the inbox tables know them (attempt markers: one row
+        per consumer and partition; dead letters)."""
+        a, d = self.tables.inbox_attempts, self.tables.dead_letters
+        return select(union(select(a.c.topic), select(d.c.topic)).subquery())
+
+    @cached_property
     def dead_letters_by_consumer(self) -> Select[Any]:
         d = self.tables.dead_letters
         return select(

@@ -9,8 +9,10 @@ relay's topics and each consumer's topics and dead-letter topics. This does it, 
 * ``NAME:compact`` (or ``NAME:PARTITIONS:compact``) creates a compacted topic
   (``cleanup.policy=compact``): Kafka keeps the latest record of each key, and a tombstone
   (``payload=outbox.TOMBSTONE``) deletes the key;
-* a dead-letter topic gets its source topic's partition count (never compaction: dead
-  letters are kept by time, not by key);
+* a dead-letter topic gets its source topic's partition count, its ``compression.type``,
+  and its ``max.message.bytes`` plus room for the dead-letter headers (see
+  ``record_limits``), so that every record of the source fits as a dead letter (never
+  compaction: dead letters are kept by time, not by key);
 * an existing topic is left alone and reported as ``exists`` — with fewer partitions than
   explicitly asked for it is reported as ``too_few_partitions``, and without compaction
   when it was asked for as ``not_compacted`` (problems, not fixed here: adding partitions
@@ -37,6 +39,7 @@ from aiokafka.errors import (
 from outbox import identifiers
 from outbox.daemon import kafka_admin, kafka_refusal, partition_counts, start_kafka, topic_error
 from outbox.errors import BrokerRefused, BrokerUnavailable, ConfigurationError
+from outbox.ops.record_limits import COMPRESSION, dead_letter_configs, describe_limits
 from outbox.settings import OutboxSettings
 
 Status = Literal["created", "exists", "too_few_partitions", "not_compacted", "failed"]
@@ -191,7 +194,9 @@ async def _ensure_one(
     if count is None and spec.dead_letter_of is not None:
         count = existing.get(spec.dead_letter_of)
     count = count or settings.topics.partitions
-    configs = {_POLICY: "compact"} if spec.compact else {}
+    configs, detail = await _dead_letter_configs(admin, settings, spec)
+    if spec.compact:
+        configs[_POLICY] = "compact"
     try:
         response = await admin.create_topics(
             [NewTopic(spec.name, count, replication, topic_configs=configs)]
@@ -216,8 +221,30 @@ async def _ensure_one(
             spec.name, "failed", None, spec.partitions, replication, _describe(error)
         )
     return TopicResult(
-        spec.name, "created", count, spec.partitions, replication, compact=spec.compact
+        spec.name, "created", count, spec.partitions, replication, detail, compact=spec.compact
     )
+
+
+async def _dead_letter_configs(
+    admin: AIOKafkaAdminClient, settings: OutboxSettings, spec: TopicSpec
+) -> tuple[dict[str, str], str]:
+    """A dead-letter topic's configs from its source's limits, and a word about them."""
+    if spec.dead_letter_of is None:
+        return {}, ""
+    try:
+        limits, unreadable = await describe_limits(admin, [spec.dead_letter_of])
+    except KafkaError as exc:
+        limits, unreadable = {}, {spec.dead_letter_of: exc}
+    source = limits.get(spec.dead_letter_of)
+    if source is None:
+        error = type(unreadable.get(spec.dead_letter_of, KafkaError())).__name__
+        return {}, (
+            f"the broker's default record size limit: {spec.dead_letter_of}'s "
+            f"max.message.bytes unreadable ({error})"
+        )
+    configs = dead_letter_configs(source, settings.consumer.error_message_chars)
+    shown = {k: v for k, v in configs.items() if (k, v) != (COMPRESSION, "producer")}
+    return configs, ", ".join(f"{k}={v}" for k, v in sorted(shown.items()))
 
 
 async def _partitions(admin: AIOKafkaAdminClient, names: list[str]) -> dict[str, int | None]:

@@ -15,8 +15,10 @@ from sqlalchemy.engine import make_url
 
 from outbox import Outbox
 from outbox.envelope import Message
+from outbox.ops.record_limits import header_room
 from outbox.tables import build_tables
 from tests.acceptance.conftest import Cli, SchemaFactory
+from tests.support.kafka import create_topic
 
 pytestmark = pytest.mark.acceptance
 
@@ -136,3 +138,37 @@ def test_status_summarises(fresh_schema: SchemaFactory, acceptance_engine: Engin
     assert proc.returncode == 1, proc.stderr  # pending rows but no relay; topic missing
     assert "3 pending" in proc.stdout
     assert "no live relay" in proc.stdout
+
+
+async def test_doctor_flags_a_dead_letter_topic_taking_smaller_records_than_its_source(
+    fresh_schema: SchemaFactory, acceptance_engine: Engine, kafka_bootstrap: str
+) -> None:
+    s = fresh_schema()
+    # A consumer reads `big` (its attempt marker says so): its dead-letter topic takes 1 MB,
+    # the source 3 MB. `small` (named on the command line) has a roomy dead-letter topic.
+    big = await create_topic(kafka_bootstrap, configs={"max.message.bytes": "3000000"})
+    await create_topic(kafka_bootstrap, big + ".dlq", configs={"max.message.bytes": "1000000"})
+    small = await create_topic(kafka_bootstrap, configs={"max.message.bytes": "500000"})
+    await create_topic(kafka_bootstrap, small + ".dlq")
+    t = build_tables(s)
+    with acceptance_engine.begin() as conn:
+        conn.execute(
+            insert(t.inbox_attempts).values(
+                consumer="billing", topic=big, partition=0, start_offset=0, end_offset=0,
+                attempts=0,
+            )
+        )  # fmt: skip
+    report = Cli(s).json("doctor", "--topic", small)
+    [finding] = findings(report, "dead_letter_topic")
+    assert finding["level"] == "warn"
+    assert finding["details"] == {
+        "topic": big + ".dlq",
+        "max_message_bytes": 1_000_000,
+        "source": big,
+        "source_max_message_bytes": 3_000_000,
+    }
+    room = header_room(s.consumer.error_message_chars)
+    assert (
+        f"--entity-name {big}.dlq --add-config max.message.bytes={3_000_000 + room}"
+        in (finding["action"])
+    )

@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 
 from outbox.ops.kafka_probe import KafkaProbe
+from outbox.ops.record_limits import TopicLimits, header_room
 from outbox.settings import OutboxSettings
 from tests.acceptance.conftest import Cli
-from tests.support.kafka import cleanup_policies
+from tests.support.kafka import cleanup_policies, create_topic
 
 pytestmark = pytest.mark.acceptance
 
@@ -60,6 +61,34 @@ def test_topics_ensure_creates_then_says_exists(settings: OutboxSettings, tmp_pa
     assert more.returncode == 1
     assert "has 3 partitions, 5 asked" in more.stdout
     assert _partitions(settings, [relay_topic]) == {relay_topic: 3}  # left alone
+
+
+async def test_topics_ensure_sizes_a_dead_letter_topic_like_its_source(
+    settings: OutboxSettings, tmp_path: Path, kafka_bootstrap: str
+) -> None:
+    # The team's topic takes 3 MB records, compressed with gzip: its dead-letter topic must
+    # take those records plus the dlq_* headers, not the broker's 1 MB default.
+    suffix = uuid.uuid4().hex[:8]
+    source = await create_topic(
+        kafka_bootstrap,
+        f"ens-big-{suffix}",
+        configs={"max.message.bytes": "3000000", "compression.type": "gzip"},
+    )
+    module = f"ensure_big_app_{suffix}"
+    (tmp_path / f"{module}.py").write_text(
+        f"import inbox\napp = inbox.Consumer(name='g-{suffix}', topics=['{source}'])\n"
+    )
+    cli = Cli(settings, (("PYTHONPATH", str(tmp_path)),))
+    proc = cli("topics", "ensure", "--app", f"{module}:app")
+    assert proc.returncode == 0, proc.stderr
+    want = 3_000_000 + header_room(settings.consumer.error_message_chars)
+    assert f"created  {source}.dlq" in proc.stdout and f"max.message.bytes={want}" in proc.stdout
+
+    async def limits() -> dict[str, TopicLimits]:
+        async with KafkaProbe(settings) as probe:
+            return await probe.limits([f"{source}.dlq"])
+
+    assert await limits() == {f"{source}.dlq": TopicLimits(want, "gzip")}
 
 
 def test_topics_ensure_refuses_bad_input_without_a_traceback(settings: OutboxSettings) -> None:

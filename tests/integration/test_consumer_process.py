@@ -5,18 +5,21 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
+import os
 import signal
 import subprocess
+import urllib.request
 import uuid
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
-from aiokafka.admin import AIOKafkaAdminClient
-from aiokafka.admin import NewTopic as KafkaTopic
-from sqlalchemy import Engine
+from sqlalchemy import Engine, text
 
+from outbox.ops.kafka_probe import KafkaProbe
+from outbox.ops.record_limits import header_room
 from outbox.settings import OutboxSettings
 from tests.support.inbox import (
     ce_headers,
@@ -28,7 +31,7 @@ from tests.support.inbox import (
     subprocess_env,
     wait_for,
 )
-from tests.support.kafka import read_all
+from tests.support.kafka import create_topic, free_port, read_all
 
 pytestmark = pytest.mark.integration
 NewTopic = Callable[..., Awaitable[str]]
@@ -289,28 +292,186 @@ async def test_dlq_cli_lists_shows_and_replays(
     assert effect_counts(engine, table) == {}
 
 
-async def test_a_dead_letter_kafka_refuses_stops_the_consumer_with_the_cause(
+# ---------------------------------------------------------------- large records (issue 28)
+# A team's topic takes records up to 3 MB. On one partition: a 2 MB event its handler
+# refuses for good (Permanent), a 2 MB record without CloudEvents headers (malformed), then
+# 50 small good events. Random payloads, so compression cannot shrink them under a limit.
+BIG_SOURCE_LIMIT = "3000000"
+
+
+def _big_records() -> list[tuple[bytes | None, bytes | None, list[tuple[str, bytes]]]]:
+    pad = base64.b64encode(os.urandom(1_500_000)).decode()  # ~2,000,000 bytes of JSON
+    event = json.dumps({"key": "k", "seq": 0, "permanent": True, "pad": pad}).encode()
+    big_id = f"big-{uuid.uuid4().hex[:6]}"
+    return [
+        (b"k", event, ce_headers(big_id)),
+        (b"raw", os.urandom(2_000_000), []),
+        *(rec(i) for i in range(1, 51)),
+    ]
+
+
+async def _run_until_applied(
+    env: dict[str, str],
+    engine: Engine,
+    table: str,
+    bootstrap: str,
+    group: str,
+    topic: str,
+    *args: str,
+) -> subprocess.Popen[bytes]:
+    """Start the consumer; return it once the 50 good events are applied and every offset
+    (52) is committed, the partition having moved past both large records."""
+    consumer = outbox_cli(["consume", TARGET, *args], env)
+
+    async def through() -> bool:
+        if consumer.poll() is not None:
+            raise AssertionError(consumer.stderr.read().decode() if consumer.stderr else "")
+        done = (await committed_offsets(bootstrap, group)).get((topic, 0)) == 52
+        return done and len(effect_counts(engine, table)) == 50
+
+    await wait_for(through, timeout=120, what="good events applied, offsets committed")
+    return consumer
+
+
+def _scrape(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics") as answer:
+        return str(answer.read().decode())
+
+
+def _stored_dead_letters(
+    engine: Engine, settings: OutboxSettings, group: str
+) -> dict[str, tuple[bytes, str | None, int | None]]:
+    """event_id -> (value, dlq_refused, dlq_offset) from the database's dead letters."""
+    table = f'"{settings.db_schema}"."{settings.table_prefix}dead_letters"'
+    with engine.connect() as conn:
+        rows = conn.execute(
+            text(
+                f"SELECT event_id, value, dlq_refused, dlq_offset FROM {table} WHERE consumer = :c"
+            ),
+            {"c": group},
+        )
+        return {r[0]: (bytes(r[1]), r[2], r[3]) for r in rows}
+
+
+async def test_large_records_are_dead_lettered_to_a_topic_the_consumer_sizes_like_its_source(
+    settings: OutboxSettings, engine: Engine, kafka_bootstrap: str
+) -> None:
+    topic = await create_topic(
+        kafka_bootstrap,
+        configs={"max.message.bytes": BIG_SOURCE_LIMIT, "compression.type": "gzip"},
+    )
+    table = effects_table(engine)
+    group = f"c-{uuid.uuid4().hex[:8]}"
+    records = _big_records()
+    await produce(kafka_bootstrap, topic, records, partition=0, max_request_size=8_000_000)
+    consumer = await _run_until_applied(
+        _app_env(settings, topic, table, group), engine, table, kafka_bootstrap, group, topic
+    )
+    try:
+        # The consumer created the dead-letter topic with the source's limit (plus room
+        # for the dlq_* headers) and compression, so both large records went there whole.
+        dlq = topic + ".dlq"
+        async with KafkaProbe(settings) as probe:
+            limits = await probe.limits([dlq])
+        assert limits[dlq].max_message_bytes == int(BIG_SOURCE_LIMIT) + header_room(500)
+        assert limits[dlq].compression == "gzip"
+        dead = await read_all(kafka_bootstrap, dlq, expect=2)
+        assert [d.value for d in dead] == [records[0][1], records[1][1]]
+        assert [d.headers["dlq_error_class"] for d in dead] == [b"Permanent", b"MalformedRecord"]
+        stored = _stored_dead_letters(engine, settings, group)
+        assert sorted(v for v, _, _ in stored.values()) == sorted([records[0][1], records[1][1]])
+        assert {refused for _, refused, _ in stored.values()} == {None}
+    finally:
+        consumer.send_signal(signal.SIGTERM)
+        assert await _wait_exit(consumer) == 0
+    # Lost 0, applied once each.
+    assert sorted(effect_counts(engine, table).values()) == [1] * 50
+
+
+async def test_a_dead_letter_topic_refusing_large_records_keeps_them_in_the_database(
+    settings: OutboxSettings, engine: Engine, kafka_bootstrap: str, tmp_path: Path
+) -> None:
+    # The dead-letter topic exists already, made by someone else with a 1 MB limit. The
+    # large dead letters are kept in the database (a marker on the topic), the partition
+    # moves on, and the event is replayed from the database once its handler is fixed.
+    topic = await create_topic(kafka_bootstrap, configs={"max.message.bytes": BIG_SOURCE_LIMIT})
+    dlq = await create_topic(
+        kafka_bootstrap, topic + ".dlq", configs={"max.message.bytes": "1000000"}
+    )
+    table = effects_table(engine)
+    group = f"c-{uuid.uuid4().hex[:8]}"
+    fixed = tmp_path / "fixed"
+    port = free_port()
+    env = _app_env(settings, topic, table, group, INBOX_TEST_FIXED_FILE=str(fixed))
+    records = _big_records()
+    big_id = records[0][2][0][1].decode()
+    await produce(kafka_bootstrap, topic, records, partition=0, max_request_size=8_000_000)
+    consumer = await _run_until_applied(
+        env, engine, table, kafka_bootstrap, group, topic, "--metrics-port", str(port)
+    )
+    try:
+        stored = _stored_dead_letters(engine, settings, group)
+        assert sorted(v for v, _, _ in stored.values()) == sorted([records[0][1], records[1][1]])
+        assert {refused for _, refused, _ in stored.values()} == {"MessageSizeTooLargeError"}
+        assert all(offset is not None for _, _, offset in stored.values())  # markers sent
+        markers = await read_all(kafka_bootstrap, dlq, expect=2)
+        assert [m.value for m in markers] == [b"", b""]
+        assert {m.headers["dlq_event_id"].decode() for m in markers} == set(stored)
+        assert {m.headers["dlq_stored_in"] for m in markers} == {b"database"}
+        assert markers[0].headers["dlq_value_bytes"] == str(len(records[0][1])).encode()
+        assert "ce_id" not in markers[0].headers  # a marker is not the event
+        metrics = await asyncio.to_thread(_scrape, port)
+        assert f'outbox_inbox_dead_letters_refused_total{{consumer="{group}"}} 2.0' in metrics, (
+            metrics
+        )
+
+        listing = subprocess.run(
+            ["outbox", "dlq", "list", "--consumer", group], env=env, capture_output=True, check=True
+        )
+        assert listing.stdout.decode().count(" marker ") == 2, listing.stdout.decode()
+        shown = subprocess.run(
+            ["outbox", "dlq", "show", big_id, "--consumer", group],
+            env=env,
+            capture_output=True,
+            check=True,
+        ).stdout.decode()
+        shown = " ".join(shown.split())  # as the terminal wrapped it
+        assert "refused the record (MessageSizeTooLargeError)" in shown, shown
+        assert f"value: {len(records[0][1])} bytes" in shown, shown
+
+        fixed.touch()  # the handler is fixed: replay the event from the database
+        replay = subprocess.run(
+            ["outbox", "dlq", "replay", big_id, "--consumer", group], env=env, capture_output=True
+        )
+        assert replay.returncode == 0, replay.stderr
+        await wait_for(
+            lambda: big_id in effect_counts(engine, table), what="the replayed event applied"
+        )
+    finally:
+        consumer.send_signal(signal.SIGTERM)
+        assert await _wait_exit(consumer) == 0
+    err = consumer.stderr.read().decode() if consumer.stderr else ""
+    # One line per topic saying what to change, not one per record; no traceback.
+    assert err.count(f"dead-letter topic {dlq} refuses a record") == 1, err
+    assert "max.message.bytes" in err and "Traceback" not in err, err
+    # Lost 0: the 50 good events and the replayed large one, each applied once.
+    counts = effect_counts(engine, table)
+    assert len(counts) == 51 and set(counts.values()) == {1}
+
+
+async def test_a_missing_dead_letter_topic_with_creation_off_stops_the_consumer_at_start(
     settings: OutboxSettings, engine: Engine, new_topic: NewTopic, kafka_bootstrap: str
 ) -> None:
-    # The dead-letter topic takes records up to 1,000 bytes; the poison event is 4,000.
-    # Retrying would send the same bytes forever: the consumer stops (exit 2) and says what
-    # to change, and the event stays unhandled (its offset uncommitted), so nothing is lost.
+    # A refusal no record size explains is a configuration error: exit 2, one line.
     topic = await new_topic()
-    admin = AIOKafkaAdminClient(bootstrap_servers=kafka_bootstrap)
-    await admin.start()
-    try:
-        dlq = KafkaTopic(topic + ".dlq", 1, 1, topic_configs={"max.message.bytes": "1000"})
-        await admin.create_topics([dlq])
-    finally:
-        await admin.close()
     group = f"c-{uuid.uuid4().hex[:8]}"
-    env = _app_env(settings, topic, effects_table(engine), group)
-    await produce(kafka_bootstrap, topic, [(b"k", b"{" + b"x" * 4000, ce_headers("big-1"))])
+    env = _app_env(
+        settings, topic, effects_table(engine), group, OUTBOX_CONSUMER__DLQ_CREATE="false"
+    )
+    await produce(kafka_bootstrap, topic, [rec(1)])
     consumer = outbox_cli(["consume", TARGET], env)
     code = await _wait_exit(consumer, within=90)
-    assert consumer.stderr is not None
-    err = consumer.stderr.read().decode()
+    err = consumer.stderr.read().decode() if consumer.stderr else ""
     assert code == 2, err
-    assert "MessageSizeTooLargeError" in err and "max.message.bytes" in err, err
-    assert "Traceback" not in err, err
+    assert f"Kafka topic '{topic}.dlq' does not exist" in err and "Traceback" not in err, err
     assert await committed_offsets(kafka_bootstrap, group) == {}

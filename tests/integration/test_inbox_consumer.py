@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import uuid
 from collections.abc import Awaitable, Callable
@@ -27,7 +28,7 @@ from tests.support.inbox import (
     produce,
     wait_for,
 )
-from tests.support.kafka import read_all
+from tests.support.kafka import create_topic, read_all
 
 pytestmark = pytest.mark.integration
 NewTopic = Callable[..., Awaitable[str]]
@@ -416,3 +417,46 @@ async def test_members_joining_and_leaving_mid_stream_lose_nothing_and_keep_key_
         out_of_order += seq < last.get(key, -1)
         last[key] = seq
     assert out_of_order == 0
+
+
+async def test_large_records_pause_fetching_by_bytes_and_all_are_applied(
+    settings: OutboxSettings, engine: Engine, kafka_bootstrap: str
+) -> None:
+    # 40 records of 1 MB behind a slow handler: the partition's fetching pauses once 4 MiB
+    # are waiting (not 2,000 records, 40 MB), and resumes as they are finished.
+    topic = await create_topic(kafka_bootstrap, configs={"max.message.bytes": "3000000"})
+    table = effects_table(engine)
+    app = inbox.Consumer(name=name(), topics=[topic])
+    calls: list[str] = []
+
+    @app.handler("test.event")
+    async def handle(event: inbox.InboxEvent, session: AsyncSession) -> None:
+        body = event.json()
+        await asyncio.sleep(0.02)
+        calls.append(event.event_id)
+        await session.execute(
+            text(f"INSERT INTO {table} (event_id, key, seq) VALUES (:e, :k, :s)"),
+            {"e": event.event_id, "k": body["key"], "s": body["seq"]},
+        )
+
+    pad = "x" * 1_000_000
+    big = [
+        (b"k", json.dumps({"key": "k", "seq": i, "pad": pad}).encode(), ce_headers(f"big-{i}"))
+        for i in range(40)
+    ]
+    await produce(kafka_bootstrap, topic, big, partition=0, max_request_size=4_000_000)
+    limit = 4 * 1024 * 1024
+    s = fast_settings(settings, max_fetched_bytes=limit)
+    most = 0
+    async with RunningConsumer(app, s) as c:
+
+        def done() -> bool:
+            nonlocal most
+            most = max([most, *(lane.fetched_bytes for lane in c.daemon._lanes.values())])
+            return len(calls) >= 40
+
+        await wait_for(done, timeout=120, what="40 large records applied")
+    # At most one fetch past the limit (a fetch returns up to one oversized record batch).
+    assert limit <= most <= limit + 3_000_000, most
+    assert sorted(effect_counts(engine, table)) == sorted(f"big-{i}" for i in range(40))
+    assert set(effect_counts(engine, table).values()) == {1}

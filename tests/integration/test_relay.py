@@ -7,12 +7,15 @@ import asyncio
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 
+import psycopg
 import pytest
 from sqlalchemy import Engine, text
 
 from outbox import Outbox
 from outbox.settings import OutboxSettings
+from outbox.tables import build_tables
 from relay import Relay
+from relay.store import ID, LANE, RelayStore
 from tests.support.inbox import wait_for
 from tests.support.kafka import read_all
 from tests.support.relay import publish_numbered, read_ids, verdict
@@ -298,3 +301,41 @@ async def test_the_relay_logs_a_status_line_while_it_runs(
     await wait_for(lambda: 50 in published(), timeout=10, what="a status line with 50 published")
     line = next(r for r in caplog.records if r.getMessage() == "relay status")
     assert {"pending", "oldest_age_seconds", "owned_lanes", "kafka_up"} <= set(vars(line))
+
+
+@pytest.mark.parametrize("keep_hours", [0, 24], ids=["delete", "keep"])
+def test_a_claim_stops_at_its_byte_budget_keeping_each_lane_a_prefix(
+    engine: Engine, settings: OutboxSettings, keep_hours: float
+) -> None:
+    # Ids in commit order: lane 0 gets 400-byte rows, lane 1 300-byte rows, interleaved.
+    s = settings.model_copy(
+        update={"relay": settings.relay.model_copy(update={"keep_published_hours": keep_hours})}
+    )
+    store, events = RelayStore(s), build_tables(s).events
+    lanes_and_sizes = [(0, 400), (1, 300), (0, 400), (1, 300), (0, 400)]
+    with engine.begin() as conn:
+        ids = [
+            conn.execute(
+                text(
+                    f"INSERT INTO {events.fullname} (event_id, topic, key, lane, event_type,"
+                    " source, content_type, payload, fingerprint) VALUES (gen_random_uuid(),"
+                    " 't', 'k', :lane, 'x', 's', 'application/octet-stream', :payload, '\\x00')"
+                    " RETURNING id"
+                ),
+                {"lane": lane, "payload": b"x" * size},
+            ).scalar_one()
+            for lane, size in lanes_and_sizes
+        ]
+
+    def claim(max_bytes: int) -> list[tuple[int, int]]:
+        with psycopg.connect(s.libpq_dsn) as conn:  # rolled back on leaving: nothing claimed
+            cur = conn.cursor(binary=True)
+            cur.execute(store.claim, {"lanes": [1, 0], "limit": 100, "max_bytes": max_bytes})
+            rows = sorted(cur.fetchall(), key=lambda r: r[ID])
+            conn.rollback()
+        return [(r[ID], r[LANE]) for r in rows]
+
+    # Payload bytes before each row, in id order: 0, 400, 700, 1000, 1300.
+    assert claim(1_000) == [(ids[0], 0), (ids[1], 1), (ids[2], 0)]
+    assert claim(1) == [(ids[0], 0)]  # always at least one row
+    assert claim(1 << 20) == list(zip(ids, [0, 1, 0, 1, 0], strict=True))

@@ -21,10 +21,13 @@ from outbox.tables import build_tables
 from tests.support.kafka import ServicesFailed, create_topic, private_broker
 from tests.support.relay import (
     RelayProcess,
+    commit_large,
     outbox_cli,
+    peak_rss_mib,
     pending,
     publish_numbered,
     read_ids,
+    read_slim,
     relay_env,
     verdict,
     wait_drained,
@@ -324,3 +327,28 @@ async def test_relay_runs_retention_when_configured(
     assert counts[-1] == (0, 0), (counts[-5:], relay.log()[-2000:])
     assert code == 0
     assert "retention round" in relay.log()
+
+
+async def test_a_backlog_of_large_rows_drains_within_the_memory_budget(
+    engine: Engine,
+    settings: OutboxSettings,
+    new_topic: Callable[..., Awaitable[str]],
+    tmp_path: Path,
+) -> None:
+    # 400 events of 900 KB committed before one relay with default settings starts: its
+    # claims stop at their share of relay.max_inflight_bytes (64 MiB), so its peak resident
+    # memory stays under 300 MiB; claims bounded only in rows (2,000) took ~800 MiB.
+    topic = await new_topic(partitions=6)
+    ids = await asyncio.to_thread(commit_large, engine, settings, topic, 400, 900_000)
+    relay = RelayProcess(relay_env(settings), tmp_path, "large")
+    try:
+        left = await asyncio.to_thread(wait_drained, engine, settings, 180)
+        peak = peak_rss_mib(relay.pid)
+        records = await read_slim(settings.kafka_bootstrap_servers, topic, ids)
+    finally:
+        code, _ = relay.terminate()
+    assert left == 0, relay.log()[-3000:]
+    assert peak < 300, f"relay peak RSS {peak:.0f} MiB"
+    v = verdict(records, ids)
+    assert (v.lost, v.out_of_order, v.unexpected) == (0, 0, 0), v
+    assert code == 0, relay.log()[-3000:]

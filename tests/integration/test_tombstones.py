@@ -206,7 +206,7 @@ async def test_a_tombstone_put_back_or_parked_by_the_relay_keeps_its_null_payloa
     store = RelayStore(settings)
     with psycopg.connect(settings.libpq_dsn) as conn:
         claimed = conn.execute(
-            store.claim, {"lanes": list(range(settings.lanes)), "limit": 10}
+            store.claim, {"lanes": list(range(settings.lanes)), "limit": 10, "max_bytes": 1 << 20}
         ).fetchall()
         assert [r[CE_ID] for r in claimed] == [event_id]
         params = store.restore_params(claimed, [5], ["rejected"], [0.0])

@@ -41,8 +41,11 @@ async def produce(
     topic: str,
     records: Iterable[tuple[bytes | None, bytes | None, Headers]],
     partition: int | None = None,
+    max_request_size: int = 1_048_576,
 ) -> None:
-    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=5)
+    producer = AIOKafkaProducer(
+        bootstrap_servers=bootstrap, acks="all", linger_ms=5, max_request_size=max_request_size
+    )
     await producer.start()
     try:
         futures = [

@@ -25,6 +25,9 @@ EFFECTS = os.environ.get("INBOX_TEST_EFFECTS", "unconfigured")
 MODE = os.environ.get("INBOX_TEST_MODE", "normal")
 RUNS_FILE = os.environ.get("INBOX_TEST_RUNS_FILE")
 MAX_ATTEMPTS = int(os.environ.get("INBOX_TEST_MAX_ATTEMPTS", "3"))
+# While this file does not exist, events marked "permanent" fail with inbox.Permanent (the
+# bug a test "fixes" before replaying them).
+FIXED_FILE = os.environ.get("INBOX_TEST_FIXED_FILE")
 
 app = inbox.Consumer(name=NAME, topics=[TOPIC])
 
@@ -37,6 +40,8 @@ async def record(event: inbox.InboxEvent, session: AsyncSession) -> None:
             with open(RUNS_FILE, "a") as f:
                 f.write(event.event_id + "\n")
         os._exit(3)  # the process dies inside the handler: no exception to catch
+    if body.get("permanent") and not (FIXED_FILE and Path(FIXED_FILE).exists()):
+        raise inbox.Permanent("this event cannot be applied (until the handler is fixed)")
     await session.execute(
         text(f"INSERT INTO {EFFECTS} (event_id, key, seq) VALUES (:e, :k, :s)"),
         {"e": event.event_id, "k": body.get("key"), "s": body.get("seq")},

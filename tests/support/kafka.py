@@ -17,12 +17,17 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 
 
-async def create_topic(bootstrap: str, name: str | None = None, partitions: int = 1) -> str:
+async def create_topic(
+    bootstrap: str,
+    name: str | None = None,
+    partitions: int = 1,
+    configs: dict[str, str] | None = None,
+) -> str:
     name = name or f"t-{uuid.uuid4().hex[:12]}"
     admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
     await admin.start()
     try:
-        await admin.create_topics([NewTopic(name, partitions, 1)])
+        await admin.create_topics([NewTopic(name, partitions, 1, topic_configs=configs or {})])
     finally:
         await admin.close()
     return name

@@ -3,21 +3,26 @@ what a dedupe-by-event_id consumer would see (lost, duplicates, out-of-order per
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from aiokafka import AIOKafkaConsumer
 from sqlalchemy import Engine, text
 
 from outbox import Outbox
-from outbox.envelope import Message
+from outbox.envelope import Message, lane_for
 from outbox.settings import OutboxSettings
+from outbox.tables import build_tables
 from tests.support.kafka import Record, read_until
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -200,3 +205,79 @@ async def read_ids(
     if not want:
         return []
     return await read_until(bootstrap, topic, all_seen, wait_seconds)
+
+
+def commit_large(
+    engine: Engine, settings: OutboxSettings, topic: str, rows: int, size: int, keys: int = 20
+) -> list[str]:
+    """Commit ``rows`` events of about ``size`` bytes in one transaction (built by the
+    database: cheap to insert), JSON {"key", "seq", "pad"} with seq increasing per key."""
+    names = [f"k{i}" for i in range(keys)]
+    lanes = [lane_for(k.encode(), uuid.uuid4(), settings.lanes) for k in names]
+    events = build_tables(settings).events
+    with engine.begin() as conn:
+        result = conn.execute(
+            text(
+                f"INSERT INTO {events.fullname} (event_id, topic, key, lane, event_type,"
+                " source, content_type, payload, fingerprint)"
+                " SELECT gen_random_uuid(), :topic, convert_to(n.name, 'UTF8'), n.lane,"
+                " 'test.large', 'urn:test', 'application/json',"
+                " convert_to(json_build_object('key', n.name, 'seq', n.g,"
+                "  'pad', repeat(md5(n.g::text), :chunks))::text, 'UTF8'), '\\x00'::bytea"
+                " FROM (SELECT g, (CAST(:names AS text[]))[1 + g % :k] AS name,"
+                "  (CAST(:lanes AS int2[]))[1 + g % :k] AS lane"
+                "  FROM generate_series(0, :rows - 1) g) n ORDER BY n.g"
+                " RETURNING event_id::text"
+            ),
+            {
+                "topic": topic,
+                "names": names,
+                "lanes": lanes,
+                "k": keys,
+                "chunks": size // 32,
+                "rows": rows,
+            },
+        )
+        return [r[0] for r in result]
+
+
+async def read_slim(
+    bootstrap: str, topic: str, expected_ids: Sequence[str], wait_seconds: float = 120.0
+) -> list[Record]:
+    """Like :func:`read_ids` for large records: each value is cut to its key and seq (the
+    rest is dropped as it is read), so a test can read hundreds of megabytes."""
+    want = set(expected_ids)
+    consumer = AIOKafkaConsumer(
+        topic, bootstrap_servers=bootstrap, auto_offset_reset="earliest", group_id=None
+    )
+    await consumer.start()
+    records: list[Record] = []
+    try:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait_seconds
+        while want and loop.time() < deadline:
+            batch = await consumer.getmany(timeout_ms=500)
+            for msgs in batch.values():
+                for m in msgs:
+                    found = _KEY_SEQ.match(m.value or b"")
+                    assert found is not None, (m.value or b"")[:80]
+                    value = json.dumps({"key": found[1].decode(), "seq": int(found[2])})
+                    headers = dict(m.headers)
+                    records.append(
+                        Record(m.topic, m.partition, m.offset, m.key, value.encode(), headers)
+                    )
+                    want.discard(headers.get("ce_id", b"").decode())
+    finally:
+        await consumer.stop()
+    return records
+
+
+_KEY_SEQ = re.compile(rb'\{"key"\s*:\s*"([^"]*)",\s*"seq"\s*:\s*(\d+)')
+
+
+def peak_rss_mib(pid: int) -> float:
+    """The process's peak resident memory so far (VmHWM of /proc/PID/status), in MiB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError(f"no VmHWM for pid {pid}")

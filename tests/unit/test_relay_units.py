@@ -1,7 +1,9 @@
-"""Pure parts of the relay: lane rebalancing, error classification, lock namespaces."""
+"""Pure parts of the relay: lane rebalancing, error classification, lock namespaces, the
+in-flight byte budget, putting rows back in bounded pieces."""
 
 from __future__ import annotations
 
+import asyncio
 import random
 
 import pytest
@@ -10,9 +12,10 @@ from aiokafka import errors as kerr
 from outbox.errors import BrokerUnavailable, TopicMissing
 from outbox.settings import OutboxSettings
 from relay.errors import ProducerBroken, RecordRejected, RecordTooLarge
+from relay.inflight import ByteBudget
 from relay.lanes import rebalance
 from relay.publisher import Outcome, classify
-from relay.store import namespaces
+from relay.store import ID, PAYLOAD, RESTORE_CHUNK_BYTES, RelayStore, namespaces
 
 
 def test_alone_a_relay_wants_every_lane_free_ones_first() -> None:
@@ -72,3 +75,38 @@ def test_lock_namespaces_are_distinct_positive_and_per_deployment() -> None:
     b = namespaces(OutboxSettings(table_prefix="other_"))
     assert len(set(a)) == 3 and all(0 < n < 2**31 for n in a)
     assert set(a).isdisjoint(b)
+
+
+async def test_the_in_flight_budget_waits_for_kafka_to_answer_earlier_batches() -> None:
+    budget = ByteBudget(100)
+    first = await budget.acquire(70, within=1)
+    assert first == 70
+    loop = asyncio.get_running_loop()
+    ack: asyncio.Future[None] = loop.create_future()
+    budget.release_when_done([ack], 70)  # an outstanding batch keeps its bytes
+    assert await budget.acquire(50, within=0.05) is None  # no room: reported, not queued
+    waiting = asyncio.create_task(budget.acquire(50, within=5))
+    await asyncio.sleep(0.01)
+    assert not waiting.done()
+    ack.set_result(None)  # Kafka answered
+    assert await waiting == 50
+    assert budget.used == 50
+    # One claim larger than the whole budget still goes, alone.
+    budget.release(50)
+    assert await budget.acquire(1_000, within=0.05) == 100
+
+
+def _row(i: int, size: int) -> tuple[object, ...]:
+    row: list[object] = [None] * 13
+    row[ID], row[PAYLOAD] = i, b"x" * size
+    return tuple(row)
+
+
+def test_claimed_rows_are_put_back_a_few_megabytes_per_statement() -> None:
+    mib = 1024 * 1024
+    sizes = [3 * mib, 3 * mib, 100, 5 * mib, 1 * mib, 2 * mib]
+    rows = [_row(i, size) for i, size in enumerate(sizes)]
+    n = len(rows)
+    chunks = list(RelayStore.restore_chunks(rows, [1] * n, [None] * n, [0.0] * n))
+    assert [c["id"] for c in chunks] == [[0], [1, 2], [3], [4, 5]]
+    assert all(sum(map(len, c["payload"])) <= max(RESTORE_CHUNK_BYTES, 5 * mib) for c in chunks)
