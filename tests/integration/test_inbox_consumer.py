@@ -83,6 +83,23 @@ async def test_same_event_delivered_three_times_has_one_effect(
     assert offsets[(topic, 0)] == 50 and offsets[(topic, 1)] == 1
 
 
+@pytest.mark.parametrize("codec", ["gzip", "snappy", "lz4", "zstd"])
+async def test_records_compressed_with_any_kafka_codec_are_applied(
+    codec: str, settings: OutboxSettings, engine: Engine, new_topic: NewTopic, kafka_bootstrap: str
+) -> None:
+    # Producers in other languages compress with whatever their team chose (Java: often lz4
+    # or zstd); a consumer that cannot decompress a batch would stop at its first record.
+    topic = await new_topic(partitions=1)
+    table = effects_table(engine)
+    app = inbox.Consumer(name=name(), topics=[topic])
+    recorder(app, table)
+    await produce(kafka_bootstrap, topic, [record(i) for i in range(30)], compression_type=codec)
+    async with RunningConsumer(app, fast_settings(settings)) as c:
+        await wait_for(lambda: c.metrics.counts["processed"] >= 30, what=f"{codec} records")
+    counts = effect_counts(engine, table)
+    assert len(counts) == 30 and set(counts.values()) == {1}
+
+
 async def test_sync_handler_writes_in_the_inbox_transaction(
     settings: OutboxSettings, engine: Engine, new_topic: NewTopic, kafka_bootstrap: str
 ) -> None:

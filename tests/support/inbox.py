@@ -42,9 +42,14 @@ async def produce(
     records: Iterable[tuple[bytes | None, bytes | None, Headers]],
     partition: int | None = None,
     max_request_size: int = 1_048_576,
+    compression_type: str | None = None,
 ) -> None:
     producer = AIOKafkaProducer(
-        bootstrap_servers=bootstrap, acks="all", linger_ms=5, max_request_size=max_request_size
+        bootstrap_servers=bootstrap,
+        acks="all",
+        linger_ms=5,
+        max_request_size=max_request_size,
+        compression_type=compression_type,
     )
     await producer.start()
     try:
