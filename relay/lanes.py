@@ -28,6 +28,7 @@ import random
 import socket
 import uuid
 from dataclasses import dataclass
+from typing import Any
 
 import psycopg
 
@@ -36,11 +37,15 @@ from outbox.errors import DatabaseUnavailable, SchemaMissing
 from outbox.outages import Dependency
 from outbox.resilience.retry import RetryPolicy
 from outbox.settings import OutboxSettings
+from relay.cursor import LANE_START, ClaimCursors
 from relay.metrics import RelayMetrics
 from relay.store import RelayStore
 from relay.waiting import sleep_unless
 
 log = logging.getLogger("relay.lanes")
+# How often the pending-stats round also looks below the claim cursors (one walk of every
+# lane from its start: the cost of the safety net, off the claim path).
+SAFETY_NET_SECONDS = 60.0
 
 
 @dataclass(frozen=True)
@@ -79,8 +84,10 @@ class LaneManager:
         settings: OutboxSettings,
         store: RelayStore,
         metrics: RelayMetrics,
+        cursors: ClaimCursors | None = None,
     ) -> None:
         self._settings = settings
+        self._cursors = cursors or ClaimCursors()
         # Shared with the pipelines: one log line per database outage, not one per task.
         self.database = Dependency("database", log)
         self._store = store
@@ -136,6 +143,7 @@ class LaneManager:
         failures = 0
         stats_due = 0.0
         loop = asyncio.get_running_loop()
+        net_due = loop.time() + SAFETY_NET_SECONDS
         while not stopping.is_set():
             try:
                 if self._conn is None:
@@ -143,8 +151,10 @@ class LaneManager:
                 await self._tick()
                 self.database.ok()
                 if loop.time() >= stats_due:
-                    await self._stats()
+                    net = loop.time() >= net_due
+                    await self._stats(safety_net=net)
                     stats_due = loop.time() + self._settings.relay.stats_interval_seconds
+                    net_due = loop.time() + SAFETY_NET_SECONDS if net else net_due
                 failures = 0
                 delay = self._settings.relay.heartbeat_seconds
             except psycopg.errors.UndefinedTable as exc:
@@ -194,13 +204,35 @@ class LaneManager:
             self._store.forget_dead, {"seconds": 10 * self._settings.relay.heartbeat_seconds + 5}
         )
 
-    async def _stats(self) -> None:
-        assert self._conn is not None
-        cur = await self._conn.execute(self._store.pending_stats)
-        row = await cur.fetchone()
-        assert row is not None
-        self._metrics.pending.set(float(row[0]))  # type: ignore[arg-type]
-        self._metrics.oldest_age.set(float(row[1]))  # type: ignore[arg-type]
+    async def _stats(self, safety_net: bool) -> None:
+        """Pending rows and the oldest one's age; with ``safety_net``, also look below
+        the claim cursors for stranded rows (relay/cursor.py)."""
+        conn = self._conn
+        assert conn is not None
+        before = self._cursors.known()  # before the statements' snapshots are taken
+        lanes = list(range(self._settings.lanes))
+        after = [before.get(lane, LANE_START) for lane in lanes]
+        async with conn.transaction():
+            await conn.execute(RelayStore.INDEX_SCANS_ONLY)
+            cur = await conn.execute(self._store.pending_stats, {"lanes": lanes, "after": after})
+            rows: list[tuple[Any, ...]] = await cur.fetchall()
+            below: list[tuple[Any, ...]] = []
+            if safety_net and before:
+                cur = await conn.execute(
+                    self._store.below_cursors,
+                    {"lanes": list(before), "after": list(before.values())},
+                )
+                below = await cur.fetchall()
+        self._metrics.pending.set(float(sum(int(r[1]) for r in rows)))
+        self._metrics.oldest_age.set(max((float(r[2]) for r in rows), default=0.0))
+        stranded = self._cursors.stranded(before, {int(r[0]): int(r[1]) for r in below})
+        if stranded:
+            log.warning(
+                "pending rows at or below the claim cursor of lanes %s (an id written outside "
+                "the outbox's rules?): those lanes are scanned from their start again",
+                stranded,
+            )
+            self._metrics.cursor_resets.inc(len(stranded))
 
     async def close(self) -> None:
         """Leave the registry and release every lane (closing the session does both)."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 import pytest
 from sqlalchemy import Engine, text
@@ -15,7 +15,7 @@ from outbox.settings import OutboxSettings
 from relay import Relay
 from tests.support.inbox import wait_for
 from tests.support.kafka import read_all
-from tests.support.relay import publish_numbered, read_ids, verdict
+from tests.support.relay import fast, publish_numbered, read_ids, verdict
 
 pytestmark = pytest.mark.integration
 
@@ -24,28 +24,6 @@ pytestmark = pytest.mark.integration
 def settings(isolated_settings: OutboxSettings) -> OutboxSettings:
     # A relay publishes every pending row of its tables: give each test tables of its own.
     return isolated_settings
-
-
-def fast(settings: OutboxSettings, **relay: object) -> OutboxSettings:
-    r = settings.relay.model_copy(update={"heartbeat_seconds": 0.3, **relay})
-    retry = settings.retry.model_copy(update={"base_seconds": 0.05, "cap_seconds": 1.0})
-    return settings.model_copy(update={"relay": r, "retry": retry})
-
-
-@pytest.fixture
-async def running() -> AsyncIterator[Callable[[OutboxSettings], Awaitable[Relay]]]:
-    started: list[tuple[Relay, asyncio.Task[None]]] = []
-
-    async def start(s: OutboxSettings) -> Relay:
-        relay = Relay(s)
-        started.append((relay, asyncio.create_task(relay.run())))
-        return relay
-
-    yield start
-    for relay, _ in started:
-        relay.stop()
-    for _, task in started:
-        await asyncio.wait_for(task, 15)
 
 
 async def test_committed_events_arrive_rolled_back_never(
