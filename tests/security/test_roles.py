@@ -115,6 +115,20 @@ def test_the_producer_publishes_and_can_do_nothing_else_to_the_outbox(jobs: Jobs
     assert refused(producer, f"SELECT published_at FROM {jobs.events}") == "42501"
 
 
+def test_the_relay_reads_its_claim_horizon_and_the_vacuum_figures(jobs: Jobs) -> None:
+    """The statements of relay/horizon.py, as the relay's role: the id sequence (granted
+    by the script), pg_locks and the statistics views (no grant needed)."""
+    from relay.store import RelayStore
+
+    store = RelayStore(jobs.owner)
+    with psycopg.connect(jobs.as_job["relay"].libpq_dsn, autocommit=True) as conn:
+        row = conn.execute(store.last_id).fetchone()
+        assert row is not None and row[1] is True
+        conn.execute(store.writers).fetchall()
+        assert conn.execute(store.vacuum_stats).fetchone() is not None
+    assert refused(jobs.as_job["consumer"], store.last_id.as_string(None)) == "42501"
+
+
 def test_the_consumer_cannot_touch_the_outbox(jobs: Jobs) -> None:
     consumer = jobs.as_job["consumer"]
     assert refused(consumer, f"SELECT count(*) FROM {jobs.events}") == "42501"
@@ -210,3 +224,4 @@ async def test_every_daemon_does_its_job_under_its_role(
     assert relay.stop() == 0 and consume.stop() == 0
     for daemon in (relay, consume):
         assert "permission denied" not in daemon.output()
+    assert "claim horizon off" not in relay.output()
