@@ -117,6 +117,24 @@ VACUUM_HOLDERS = """
 
 _VACUUM_HOLDERS = text(VACUUM_HOLDERS + " LIMIT :limit")
 
+# Transactions holding RowExclusiveLock on the outbox (they inserted, updated or deleted
+# rows of it) open for longer than :threshold seconds: the relays' claim horizon cannot
+# pass the ids they took (relay/cursor.py). Start time and query need pg_read_all_stats
+# for other roles' sessions; without it they are not listed.
+_OUTBOX_WRITERS = text(
+    """
+    SELECT a.pid, a.application_name AS application, a.state,
+           extract(epoch FROM now() - a.xact_start)::float8 AS seconds,
+           left(a.query, 80) AS query
+    FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
+    WHERE l.locktype = 'relation' AND l.mode = 'RowExclusiveLock' AND l.granted
+      AND l.relation = CAST(:table AS regclass)
+      AND a.pid <> pg_backend_pid()
+      AND now() - a.xact_start > make_interval(secs => :threshold)
+    ORDER BY a.xact_start
+    """
+)
+
 _CLOCK = text("SELECT clock_timestamp() AS db_now")
 
 # TLS of this very connection (a role needs no privilege to see its own backend's row).
@@ -227,6 +245,7 @@ class OpsStore:
     table_stats: TextClause = _TABLE_STATS
     idle_in_transaction: TextClause = _IDLE_IN_TRANSACTION
     vacuum_holders: TextClause = _VACUUM_HOLDERS
+    outbox_writers: TextClause = _OUTBOX_WRITERS
     clock: TextClause = _CLOCK
     own_tls: TextClause = _OWN_TLS
 
