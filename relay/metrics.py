@@ -96,4 +96,6 @@ class RelayMetrics:
             "oldest_age_seconds": round(value("outbox_relay_oldest_pending_age_seconds"), 3),
             "owned_lanes": value("outbox_relay_owned_lanes"),
             "kafka_up": value("outbox_relay_kafka_up"),
+            "outbox_dead_rows": value("outbox_relay_outbox_dead_rows"),
+            "oldest_snapshot_seconds": round(value("outbox_relay_oldest_snapshot_age_seconds")),
         }
