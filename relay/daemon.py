@@ -148,7 +148,7 @@ class Relay:
         ]
         if s.relay.cleanup_interval_seconds > 0:
             self._tasks.append(
-                asyncio.create_task(run_maintenance(s, stopping), name="maintenance")
+                asyncio.create_task(run_maintenance(s, stopping, self.cursors), name="maintenance")
             )
         self._tasks.append(asyncio.create_task(self._report(stopping), name="status"))
         stop_wait = asyncio.create_task(stopping.wait())

@@ -268,8 +268,9 @@ class OpsStore:
 
     @cached_property
     def events_window(self) -> Select[Any]:
-        """The next ``:scan`` ids after ``:after`` (primary-key order) and whether all of
-        them were created after ``:cutoff``.
+        """The next ``:scan`` ids after ``:after`` (primary-key order): the highest, how
+        many, whether all of them were created after ``:cutoff``, how many are due for
+        deletion, and the lowest one kept.
 
         Published rows can only have been published after they were created, so once a
         whole window is younger than the cutoff nothing further along can be due; the walk
@@ -277,16 +278,21 @@ class OpsStore:
         """
         e = self.tables.events
         window = (
-            select(e.c.id, e.c.created_at)
+            select(e.c.id, e.c.created_at, e.c.published_at)
             .where(e.c.id > bindparam("after"))
             .order_by(e.c.id)
             .limit(bindparam("scan"))
             .subquery()
         )
+        due = window.c.published_at < bindparam("cutoff")
         return select(
             func.max(window.c.id).label("hi"),
             func.count().label("n"),
             func.bool_and(window.c.created_at >= bindparam("cutoff")).label("all_young"),
+            func.count().filter(due).label("due"),
+            # The lowest id this window keeps (pending, or published after the cutoff): a
+            # later run must look at it again, not at anything below it.
+            func.min(window.c.id).filter(~due | window.c.published_at.is_(None)).label("kept"),
         )
 
     @cached_property
