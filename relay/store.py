@@ -18,8 +18,10 @@ Claiming is one statement per batch:
   fenced lane is simply skipped this round: nothing blocks, no deadlock is possible.
 * per lane, a LATERAL index scan on (lane, id) WHERE published_at IS NULL takes rows in id
   order with ``FOR UPDATE SKIP LOCKED`` (operator tools never block the relay and vice
-  versa); the outer LIMIT stops scanning once the batch is full, and the caller rotates the
-  lane list so every lane gets served.
+  versa), starting after the lane's cursor, so that the dead entries a long-held snapshot
+  keeps in the index are not walked again (relay/cursor.py; the probe, run after the claim
+  in its transaction, says how far the cursors may move); the outer LIMIT stops scanning
+  once the batch is full, and the caller rotates the lane list so every lane gets served.
 * in delete mode the claim *is* the DELETE (``... RETURNING``): the cheapest way to
   consume a queue row in PostgreSQL (measured ~100k rows/s vs ~85k for SELECT FOR UPDATE
   followed by DELETE by id). Rows Kafka did not acknowledge are put back, with their id,
