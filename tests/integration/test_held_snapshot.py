@@ -430,3 +430,38 @@ async def test_retention_in_the_relay_does_not_rewalk_deleted_rows_while_a_snaps
     # Each round walking the deleted rows would read them all (and their updated versions).
     print(f"retention rounds read {after - before} row versions / primary-key entries")
     assert after - before < DEAD_ROWS // 4, after - before
+
+
+def test_failed_retry_puts_rows_back_with_new_ids_in_their_old_order(
+    engine: Engine, settings: OutboxSettings
+) -> None:
+    """`outbox failed retry` gives rows new ids (a cursor may be past the old ones), in the
+    order of the old ids, and still reports the failed-table ids it moved."""
+    from relay import list_failed, retry_failed
+
+    ob = Outbox(settings)
+    t = ob.tables
+    with engine.begin() as conn:
+        old = ob.publish_many(conn, [_msg("t", "k", n) for n in range(3)])
+        columns = (
+            "id, event_id, topic, key, lane, event_type, source, content_type, payload,"
+            " headers, fingerprint, created_at, attempts"
+        )
+        conn.execute(
+            text(
+                f"INSERT INTO {t.failed.fullname} ({columns}) SELECT {columns}"
+                f" FROM {t.events.fullname}"
+            )
+        )
+        conn.execute(text(f"DELETE FROM {t.events.fullname}"))
+        newer = ob.publish_many(conn, [_msg("t", "k", 9)])
+    failed_ids = [r.id for r in list_failed(settings)[0]]
+    assert retry_failed(settings, failed_ids) == failed_ids
+    with engine.connect() as conn:
+        order = [
+            str(r[0])
+            for r in conn.execute(text(f"SELECT event_id FROM {t.events.fullname} ORDER BY id"))
+        ]
+        ids = conn.execute(text(f"SELECT min(id) FROM {t.events.fullname}")).scalar_one()
+    assert order == [str(e) for e in newer + old]
+    assert ids > max(failed_ids)
