@@ -139,14 +139,18 @@ class RelayStore:
             " ) c LIMIT %(limit)s"
             ") "
         ).format(fence=sql.Literal(self._ns[2]), events=self._events)
+        # id = ANY(ARRAY(...)): one primary-key probe per picked row. A join with the
+        # picked rows may be planned as a merge join over the whole primary key, which walks
+        # every dead entry of a held snapshot even when nothing was picked.
         if self.keep:
             action = sql.SQL(
-                "UPDATE {events} d SET published_at = now() FROM picked p WHERE d.id = p.id"
+                "UPDATE {events} d SET published_at = now()"
+                " WHERE d.id = ANY(ARRAY(SELECT p.id FROM picked p))"
             ).format(events=self._events)
         else:
-            action = sql.SQL("DELETE FROM {events} d USING picked p WHERE d.id = p.id").format(
-                events=self._events
-            )
+            action = sql.SQL(
+                "DELETE FROM {events} d WHERE d.id = ANY(ARRAY(SELECT p.id FROM picked p))"
+            ).format(events=self._events)
         return picked + action + sql.SQL(" RETURNING ") + _returning("d")
 
     @cached_property
