@@ -70,7 +70,8 @@ def index_reads(settings: OutboxSettings) -> dict[str, tuple[int, int]]:
     """Per outbox index ("claim_idx", "pkey", ...): (scans, entries read), as PostgreSQL
     counted them, once the counts of earlier work have arrived: backends flush their
     statistics at most once a second, later under load. Settled = under 1,000 entries read
-    in 1.5 s (an idle relay reads none); after 30 s, whatever it is."""
+    in each of two 1.5 s intervals in a row (an idle relay reads none); after 30 s,
+    whatever it is."""
     prefix = f"{settings.table_prefix}events_"
 
     def read() -> dict[str, tuple[int, int]]:
@@ -86,11 +87,12 @@ def index_reads(settings: OutboxSettings) -> dict[str, tuple[int, int]]:
         return sum(r for _, r in reads.values())
 
     deadline = time.monotonic() + 30
-    last = read()
+    last, quiet = read(), 0
     while True:
         time.sleep(1.5)
         now = read()
-        if total(now) - total(last) < 1000 or time.monotonic() > deadline:
+        quiet = quiet + 1 if total(now) - total(last) < 1000 else 0
+        if quiet == 2 or time.monotonic() > deadline:
             return now
         last = now
 
