@@ -38,8 +38,6 @@ log = logging.getLogger("relay.horizon")
 INTERVAL_SECONDS = 0.05
 # A reading still waiting for its writers after this long is logged, naming them.
 STUCK_AFTER_SECONDS = 10.0
-# How often an unusable sequence (no privilege, cached values) is looked at again.
-RECHECK_SECONDS = 60.0
 
 
 class HorizonWatch:
@@ -88,8 +86,8 @@ class HorizonWatch:
                 await sleep_unless(stopping, self._retry.backoff(failures))
                 failures += 1
                 continue
-            if self._unusable is not None:
-                interval = RECHECK_SECONDS
+            if self._unusable is not None:  # looked at again with the vacuum figures
+                interval = self._settings.relay.stats_interval_seconds
             elif moved:
                 interval = INTERVAL_SECONDS
             else:

@@ -19,6 +19,7 @@ import pytest
 from sqlalchemy import Engine, text
 
 from outbox import Outbox, migrate
+from outbox.db import sync_engine
 from outbox.envelope import Message, lane_for
 from outbox.settings import OutboxSettings
 from relay import Relay
@@ -474,3 +475,44 @@ def test_failed_retry_puts_rows_back_with_new_ids_in_their_old_order(
         ids = conn.execute(text(f"SELECT min(id) FROM {t.events.fullname}")).scalar_one()
     assert order == [str(e) for e in newer + old]
     assert ids > max(failed_ids)
+
+
+async def test_without_a_usable_horizon_claims_scan_from_the_lane_start_and_lose_nothing(
+    engine: Engine,
+    settings: OutboxSettings,
+    new_topic: Callable[..., Awaitable[str]],
+    running: Callable[[OutboxSettings], Awaitable[Relay]],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A sequence that caches ids per session hands them out of order: the relay turns the
+    horizon off (one warning), claims scan from the lane start as before, nothing is lost;
+    CACHE 1 again and the cursors come back."""
+    events = f'"{settings.db_schema}"."{settings.table_prefix}events"'
+    with engine.begin() as conn:
+        seq = conn.execute(text(f"SELECT pg_get_serial_sequence('{events}', 'id')")).scalar_one()
+        conn.execute(text(f"ALTER SEQUENCE {seq} CACHE 20"))
+    caplog.set_level("INFO", logger="relay.horizon")
+    s = fast(settings)
+    topic = await new_topic()
+    relay = await running(s)
+    # Sessions that cached ids keep them after CACHE 1 is back: publish through sessions of
+    # their own, closed before that.
+    caching = sync_engine(s)
+    try:
+        ids = await asyncio.to_thread(publish_numbered, caching, s, topic, 500, keys=20)
+    finally:
+        caching.dispose()
+    records = await read_ids(s.kafka_bootstrap_servers, topic, ids)
+    v = verdict(records, ids)
+    assert (v.lost, v.out_of_order) == (0, 0), v
+    assert relay.cursors.horizon.value is None and relay.cursors.known() == {}
+    assert [r.getMessage() for r in caplog.records].count(
+        "claim horizon off: claims scan their lanes from the start (the outbox id sequence "
+        "caches values per session or does not count upwards: ALTER SEQUENCE ... CACHE 1 "
+        "NO CYCLE (the defaults))"
+    ) == 1
+    with engine.begin() as conn:
+        conn.execute(text(f"ALTER SEQUENCE {seq} CACHE 1"))
+    more = await asyncio.to_thread(publish_numbered, engine, s, topic, 500, keys=20, start=500)
+    await read_ids(s.kafka_bootstrap_servers, topic, more)
+    await wait_for(lambda: bool(relay.cursors.known()), timeout=20, what="cursors back")

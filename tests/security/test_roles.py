@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -127,6 +128,43 @@ def test_the_relay_reads_its_claim_horizon_and_the_vacuum_figures(jobs: Jobs) ->
         conn.execute(store.writers).fetchall()
         assert conn.execute(store.vacuum_stats).fetchone() is not None
     assert refused(jobs.as_job["consumer"], store.last_id.as_string(None)) == "42501"
+
+
+async def test_a_relay_without_the_sequence_grant_turns_its_horizon_off(
+    jobs: Jobs, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Roles created before this grant existed: the relay says what to grant, once, and
+    claims scan their lanes from the start as before (nothing else changes)."""
+    from outbox.outages import Dependency
+    from relay.cursor import ClaimCursors
+    from relay.horizon import HorizonWatch
+    from relay.metrics import RelayMetrics
+    from relay.store import RelayStore
+
+    with psycopg.connect(jobs.owner.libpq_dsn, autocommit=True) as conn:
+        seq = conn.execute("SELECT pg_get_serial_sequence(%s, 'id')", (jobs.events,)).fetchone()
+        assert seq is not None
+        group = jobs.logins["relay"].removesuffix("_login")
+        conn.execute(f'REVOKE SELECT ON SEQUENCE {seq[0]} FROM "{group}"')
+    relay = jobs.as_job["relay"]
+    cursors = ClaimCursors()
+    watch = HorizonWatch(
+        relay,
+        RelayStore(relay),
+        cursors,
+        RelayMetrics(),
+        Dependency("database", logging.getLogger()),
+    )
+    caplog.set_level("WARNING", logger="relay.horizon")
+    watch._conn = await watch._connect()
+    try:
+        assert await watch._read(0.0) is False
+        assert await watch._read(1.0) is False
+    finally:
+        await watch._close()
+    assert cursors.horizon.value is None
+    [line] = [r.getMessage() for r in caplog.records]
+    assert "permission denied for sequence" in line and "outbox db sql --roles" in line
 
 
 def test_the_consumer_cannot_touch_the_outbox(jobs: Jobs) -> None:
