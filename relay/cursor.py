@@ -114,6 +114,16 @@ class Plan:
     horizon: int | None
     generation: int
 
+    @property
+    def behind(self) -> list[tuple[int, int]]:
+        """(lane, cursor) of the lanes whose cursor the horizon has passed: the only ones a
+        probe can move (none while no id moves)."""
+        if self.horizon is None:
+            return []
+        return [
+            (lane, a) for lane, a in zip(self.lanes, self.after, strict=True) if a < self.horizon
+        ]
+
 
 class ClaimCursors:
     """One relay's horizon and lane cursors, shared by its pipelines and tasks."""

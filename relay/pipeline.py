@@ -226,11 +226,15 @@ class Pipeline:
                     prepare=False,
                 )
                 probe = None
-                if plan.horizon is not None:
+                if plan.behind:
                     probe = conn.cursor(binary=True)
                     await probe.execute(
                         self._store.probe,
-                        {"lanes": lanes, "after": plan.after, "horizon": plan.horizon},
+                        {
+                            "lanes": [lane for lane, _ in plan.behind],
+                            "after": [after for _, after in plan.behind],
+                            "horizon": plan.horizon,
+                        },
                     )
                 rows = await cur.fetchall()
                 if probe is not None:

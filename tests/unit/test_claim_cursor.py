@@ -133,3 +133,13 @@ def test_stranded_rows_reset_their_lanes_and_in_flight_claims_settle_nothing() -
     assert cursors.known() == {0: 1000, 2: 1000}
     cursors.settle(in_flight, {0: None, 1: None, 2: None}, [])
     assert cursors.plan([1]).after == [LANE_START]
+
+
+def test_only_lanes_behind_the_horizon_are_probed() -> None:
+    cursors = ClaimCursors()
+    assert cursors.plan([0, 1]).behind == []  # no horizon yet
+    cursors.observe(reading(100))
+    cursors.settle(cursors.plan([0]), {0: None}, [])
+    assert cursors.plan([0, 1]).behind == [(1, LANE_START)]
+    cursors.observe(reading(120))
+    assert cursors.plan([0, 1]).behind == [(0, 100), (1, LANE_START)]
