@@ -43,8 +43,9 @@ from relay.store import RelayStore
 from relay.waiting import sleep_unless
 
 log = logging.getLogger("relay.lanes")
-# How often the pending-stats round also looks below the claim cursors (one walk of every
-# lane from its start: the cost of the safety net, off the claim path).
+# Every lane's rows below its claim cursor are looked at once in this period, a share of
+# the lanes in each pending-stats round (a walk of the lane from its start, dead rows
+# included: the cost of the safety net, off the claim path and spread out).
 SAFETY_NET_SECONDS = 60.0
 
 
@@ -88,6 +89,7 @@ class LaneManager:
     ) -> None:
         self._settings = settings
         self._cursors = cursors or ClaimCursors()
+        self._net_from = 0  # the next lane of the safety net's rotation
         # Shared with the pipelines: one log line per database outage, not one per task.
         self.database = Dependency("database", log)
         self._store = store
@@ -143,7 +145,6 @@ class LaneManager:
         failures = 0
         stats_due = 0.0
         loop = asyncio.get_running_loop()
-        net_due = loop.time() + SAFETY_NET_SECONDS
         while not stopping.is_set():
             try:
                 if self._conn is None:
@@ -151,10 +152,8 @@ class LaneManager:
                 await self._tick()
                 self.database.ok()
                 if loop.time() >= stats_due:
-                    net = loop.time() >= net_due
-                    await self._stats(safety_net=net)
+                    await self._stats()
                     stats_due = loop.time() + self._settings.relay.stats_interval_seconds
-                    net_due = loop.time() + SAFETY_NET_SECONDS if net else net_due
                 failures = 0
                 delay = self._settings.relay.heartbeat_seconds
             except psycopg.errors.UndefinedTable as exc:
@@ -204,23 +203,34 @@ class LaneManager:
             self._store.forget_dead, {"seconds": 10 * self._settings.relay.heartbeat_seconds + 5}
         )
 
-    async def _stats(self, safety_net: bool) -> None:
-        """Pending rows and the oldest one's age; with ``safety_net``, also look below
-        the claim cursors for stranded rows (relay/cursor.py)."""
+    def _net_share(self, known: dict[int, int]) -> dict[int, int]:
+        """This round's lanes for the safety net (with their cursors), in rotation."""
+        total = self._settings.lanes
+        per_round = min(
+            total,
+            math.ceil(total * self._settings.relay.stats_interval_seconds / SAFETY_NET_SECONDS),
+        )
+        share = [(self._net_from + i) % total for i in range(per_round)]
+        self._net_from = (self._net_from + per_round) % total
+        return {lane: known[lane] for lane in share if lane in known}
+
+    async def _stats(self) -> None:
+        """Pending rows and the oldest one's age; a share of the lanes is also looked at
+        below the claim cursors for stranded rows (relay/cursor.py)."""
         conn = self._conn
         assert conn is not None
         before = self._cursors.known()  # before the statements' snapshots are taken
         lanes = list(range(self._settings.lanes))
         after = [before.get(lane, LANE_START) for lane in lanes]
+        net = self._net_share(before)
         async with conn.transaction():
             await conn.execute(RelayStore.INDEX_SCANS_ONLY)
             cur = await conn.execute(self._store.pending_stats, {"lanes": lanes, "after": after})
             rows: list[tuple[Any, ...]] = await cur.fetchall()
             below: list[tuple[Any, ...]] = []
-            if safety_net and before:
+            if net:
                 cur = await conn.execute(
-                    self._store.below_cursors,
-                    {"lanes": list(before), "after": list(before.values())},
+                    self._store.below_cursors, {"lanes": list(net), "after": list(net.values())}
                 )
                 below = await cur.fetchall()
         self._metrics.pending.set(float(sum(int(r[1]) for r in rows)))
