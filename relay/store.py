@@ -197,14 +197,22 @@ class RelayStore:
     @cached_property
     def writers(self) -> sql.Composed:
         """(virtual transaction, pid) of every transaction holding or awaiting
-        RowExclusiveLock on the outbox (fast-path locks included). Second half of a horizon
-        reading: always a later statement than :attr:`last_id`."""
+        RowExclusiveLock on the outbox (fast-path locks included), except relay claim
+        transactions: those that hold a claim fence never take an id from the sequence (a
+        put-back reuses the row's id), so they cannot commit an id late. Second half of a
+        horizon reading: always a later statement than :attr:`last_id`. One read of
+        ``pg_locks`` (each reference to the view is a new look at the lock table)."""
         return sql.SQL(
-            "SELECT l.virtualtransaction, l.pid FROM pg_locks l"
-            " WHERE l.locktype = 'relation' AND l.mode = 'RowExclusiveLock'"
-            " AND l.relation = {table}::regclass"
-            " AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())"
-        ).format(table=self._events_name)
+            "WITH l AS MATERIALIZED ("
+            " SELECT locktype, mode, classid, virtualtransaction, pid FROM pg_locks"
+            " WHERE database = (SELECT oid FROM pg_database WHERE datname = current_database())"
+            " AND ((locktype = 'relation' AND mode = 'RowExclusiveLock'"
+            " AND relation = {table}::regclass)"
+            " OR (locktype = 'advisory' AND classid = {fence} AND objsubid = 2 AND granted))"
+            ") SELECT w.virtualtransaction, w.pid FROM l w WHERE w.locktype = 'relation'"
+            " AND NOT EXISTS (SELECT 1 FROM l f WHERE f.locktype = 'advisory'"
+            " AND f.virtualtransaction = w.virtualtransaction)"
+        ).format(table=self._events_name, fence=sql.Literal(self._ns[2]))
 
     @cached_property
     def sessions(self) -> sql.Composed:

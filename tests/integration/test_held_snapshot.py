@@ -348,6 +348,26 @@ def test_the_horizon_rests_on_the_lock_an_insert_takes_before_its_id(
     assert gone == set()
 
 
+def test_relay_claim_transactions_do_not_hold_the_horizon(settings: OutboxSettings) -> None:
+    """A transaction holding a claim fence (a relay's claim: it never takes an id) is not
+    a writer the horizon waits for; any other holder of RowExclusiveLock is."""
+    from relay.store import RelayStore, namespaces
+
+    migrate.upgrade(settings)
+    store = RelayStore(settings)
+    events = f'"{settings.db_schema}"."{settings.table_prefix}events"'
+    with (
+        psycopg.connect(settings.libpq_dsn) as claim,
+        psycopg.connect(settings.libpq_dsn) as other,
+        psycopg.connect(settings.libpq_dsn, autocommit=True) as watcher,
+    ):
+        claim.execute("SELECT pg_try_advisory_xact_lock(%s, 3)", (namespaces(settings)[2],))
+        claim.execute(f"DELETE FROM {events} WHERE false")
+        other.execute(f"DELETE FROM {events} WHERE false")
+        pids = [int(r[1]) for r in watcher.execute(store.writers).fetchall()]
+        assert pids == [other.info.backend_pid]
+
+
 async def test_a_row_written_below_a_cursor_outside_the_rules_is_still_published(
     engine: Engine,
     settings: OutboxSettings,
