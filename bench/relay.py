@@ -6,6 +6,14 @@ latency at a steady rate; and the cost of a NOTIFY trigger on producer commits.
     python -m bench.relay --rows 50000 --relays 1,2
     python -m bench.relay --rows 50000 --kafka-security secure.env   # SASL_SSL vs plaintext
     python -m bench.relay --rows 100000 --vs ../old/.venv/bin/outbox  # this build vs another
+    python -m bench.relay --held-snapshot 180   # a long snapshot: ~10 minutes
+
+``--held-snapshot SECONDS`` only measures what a long transaction holding a snapshot does
+to one relay: the same steady stream (``--rate``, default 2,000 events/s) for SECONDS
+without and then SECONDS with a connection in REPEATABLE READ holding an xid, latency over
+the last 20 s of each; then the ``--rows`` backlog drained by one relay without and with a
+held snapshot. Targets (issue 19): p99 with the snapshot within 2x of p99 without, the drain
+with it at >= 80% of the rate without.
 
 ``--kafka-security FILE`` only compares one relay draining the backlog over the plaintext
 settings of the environment and over the Kafka settings in FILE (a dotenv file with
@@ -20,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -30,9 +39,11 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import psycopg
+from aiokafka import TopicPartition
 from dotenv import dotenv_values
 from sqlalchemy.engine import make_url
 
@@ -43,10 +54,12 @@ from outbox.daemon import kafka_consumer, kafka_environment, kafka_producer
 from outbox.db import sync_engine
 from outbox.envelope import Message, lane_for
 from outbox.settings import KafkaSettings, OutboxSettings
+from relay.cursor import LANE_START
 from relay.store import CLAIM_SESSION_SETTINGS, RelayStore
 
 KEYS = 1000
 PAD = 250  # JSON payload of ~300 bytes
+LATENCY_WINDOW = 20.0  # held-snapshot run: seconds at the end of each phase measured
 
 
 def _dsn(settings: OutboxSettings, database: str) -> str:
@@ -162,6 +175,19 @@ def wait_balanced(settings: OutboxSettings, n: int, timeout: float = 60) -> None
     raise RuntimeError(f"{n} relays did not share the lanes within {timeout} s")
 
 
+@contextlib.contextmanager
+def held_snapshot(settings: OutboxSettings) -> Iterator[None]:
+    """A connection in REPEATABLE READ holding an xid (a report, an idle session, pg_dump):
+    VACUUM can remove no row deleted or updated while it lasts."""
+    with psycopg.connect(settings.libpq_dsn, application_name="bench-held-snapshot") as conn:
+        conn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+        conn.execute("SELECT txid_current()")
+        try:
+            yield
+        finally:
+            conn.rollback()
+
+
 def drain_with_relays(
     settings: OutboxSettings, topic: str, rows: int, n: int, logs: Path, exe: str | None = None
 ) -> float:
@@ -183,6 +209,43 @@ def drain_with_relays(
     if left:
         raise RuntimeError(f"{n} relay(s) left {left} rows; see {logs}")
     return rows / elapsed
+
+
+def drain_held(
+    settings: OutboxSettings, topic: str, partitions: int, rows: int, logs: Path, held: bool
+) -> float:
+    """Events/s of one relay draining ``rows``, with or without a snapshot held from before
+    the backlog until it is drained. The clock stops when Kafka's end offsets have grown by
+    ``rows``: counting pending rows would itself walk every dead row of a held snapshot."""
+    procs = start_relays(settings, 1, logs)
+    try:
+        wait_balanced(settings, 1)
+        return asyncio.run(_drain_held(settings, topic, partitions, rows, held))
+    finally:
+        stop_relays(procs)
+
+
+async def _drain_held(
+    settings: OutboxSettings, topic: str, partitions: int, rows: int, held: bool
+) -> float:
+    consumer = kafka_consumer(settings, enable_auto_commit=False)
+    await consumer.start()
+    parts = [TopicPartition(topic, p) for p in range(partitions)]
+
+    async def appended() -> int:
+        return sum((await consumer.end_offsets(parts)).values())
+
+    try:
+        start = await appended()
+        with held_snapshot(settings) if held else contextlib.nullcontext():
+            t0 = fill(settings, topic, rows, analyze=False)
+            while await appended() - start < rows:
+                if time.perf_counter() > t0 + 600:
+                    raise RuntimeError(f"the relay did not drain {rows} rows in 600 s")
+                await asyncio.sleep(0.05)
+            return rows / (time.perf_counter() - t0)
+    finally:
+        await consumer.stop()
 
 
 async def naive_relay(settings: OutboxSettings, topic: str, rows: int) -> float:
@@ -239,10 +302,12 @@ def db_ceiling(settings: OutboxSettings, topic: str, rows: int) -> tuple[float, 
                     cur = conn.cursor(binary=True)
                     if use_store:
                         rot = (rot + 1) % len(lanes)
+                        order = lanes[rot:] + lanes[:rot]
                         cur.execute(
                             store.claim,
                             {
-                                "lanes": lanes[rot:] + lanes[:rot],
+                                "lanes": order,
+                                "after": [LANE_START] * len(order),
                                 "limit": 2000,
                                 "max_bytes": settings.relay.max_inflight_bytes,
                             },
@@ -257,18 +322,15 @@ def db_ceiling(settings: OutboxSettings, topic: str, rows: int) -> tuple[float, 
     return results[0], results[1]
 
 
-async def latency(
-    settings: OutboxSettings, rate: int, seconds: float, logs: Path
-) -> tuple[float, float, int]:
-    """p50/p99 ms from producer commit to the broker's append (LogAppendTime) at ``rate``
-    single-event transactions per second, one relay running."""
-    topic = await create_topic(settings, 6, {"message.timestamp.type": "LogAppendTime"})
-    procs = start_relays(settings, 1, logs)
+async def steady(
+    settings: OutboxSettings, topic: str, rate: int, seconds: float, committed: dict[str, float]
+) -> float:
+    """Publish ``rate`` events/s for ``seconds``, recording each one's commit time (wall
+    clock, as the broker's LogAppendTime) in ``committed``; returns the rate achieved."""
     ob = Outbox(settings)
     engine = sync_engine(settings)
-    committed: dict[str, float] = {}
+    start = len(committed)
     try:
-        await asyncio.sleep(3)  # let the relay connect and own its lanes
         t0 = time.perf_counter()
         n = 0
         while (elapsed := time.perf_counter() - t0) < seconds:
@@ -293,13 +355,84 @@ async def latency(
                 committed.update((str(e), now) for e in eids)
                 n = due
             await asyncio.sleep(0.005)
+    finally:
+        engine.dispose()
+    return (len(committed) - start) / seconds
+
+
+def percentiles(
+    committed: dict[str, float], appended: dict[str, int], since: float = 0.0
+) -> tuple[float, float, int]:
+    """p50/p99 ms from commit to append of the events committed at or after ``since``."""
+    lat = sorted(
+        appended[eid] / 1000 - at
+        for eid, at in committed.items()
+        if at >= since and eid in appended
+    )
+    return lat[len(lat) // 2] * 1000, lat[int(len(lat) * 0.99)] * 1000, len(lat)
+
+
+async def latency(
+    settings: OutboxSettings, rate: int, seconds: float, logs: Path
+) -> tuple[float, float, int]:
+    """p50/p99 ms from producer commit to the broker's append (LogAppendTime) at ``rate``
+    single-event transactions per second, one relay running."""
+    topic = await create_topic(settings, 6, {"message.timestamp.type": "LogAppendTime"})
+    procs = start_relays(settings, 1, logs)
+    committed: dict[str, float] = {}
+    try:
+        await asyncio.sleep(3)  # let the relay connect and own its lanes
+        await steady(settings, topic, rate, seconds, committed)
         records = await read_topic(settings, topic, len(committed))
     finally:
         stop_relays(procs)
-        engine.dispose()
-    lat = [ts / 1000 - committed[eid] for eid, ts in records if eid in committed]
-    lat.sort()
-    return lat[len(lat) // 2] * 1000, lat[int(len(lat) * 0.99)] * 1000, len(lat)
+    return percentiles(committed, dict(records))
+
+
+def dead_rows(settings: OutboxSettings) -> int:
+    """The outbox's dead row versions as PostgreSQL's statistics count them."""
+    with psycopg.connect(settings.libpq_dsn) as conn:
+        row = conn.execute(
+            "SELECT n_dead_tup FROM pg_stat_user_tables WHERE schemaname = %s AND relname = %s",
+            (settings.db_schema, f"{settings.table_prefix}events"),
+        ).fetchone()
+    return int(row[0]) if row else 0
+
+
+async def held_latency(
+    settings: OutboxSettings, rate: int, seconds: float, window: float, logs: Path
+) -> dict[str, float]:
+    """One relay, one steady stream: ``seconds`` without a held snapshot, then ``seconds``
+    with one; commit-to-append p50/p99 over the last ``window`` seconds of each."""
+    topic = await create_topic(settings, 6, {"message.timestamp.type": "LogAppendTime"})
+    procs = start_relays(settings, 1, logs)
+    free: dict[str, float] = {}
+    held: dict[str, float] = {}
+    try:
+        await asyncio.sleep(3)  # let the relay connect and own its lanes
+        free_rate = await steady(settings, topic, rate, seconds, free)
+        free_end = time.time()
+        free_load = os.getloadavg()[0]
+        with held_snapshot(settings):
+            held_rate = await steady(settings, topic, rate, seconds, held)
+            held_end = time.time()
+            held_load = os.getloadavg()[0]
+            dead = dead_rows(settings)
+        appended = dict(await read_topic(settings, topic, len(free) + len(held)))
+    finally:
+        stop_relays(procs)
+    p50, p99, n = percentiles(free, appended, free_end - window)
+    h50, h99, hn = percentiles(held, appended, held_end - window)
+    print(
+        f"steady {free_rate:,.0f} events/s, 1 relay, latency over the last {window:.0f} s of "
+        f"each {seconds:.0f} s phase:\n"
+        f"  no snapshot held:        p50 {p50:6.1f} ms, p99 {p99:6.1f} ms ({n} events, "
+        f"loadavg {free_load:.2f})\n"
+        f"  snapshot held {seconds:.0f} s:    p50 {h50:6.1f} ms, p99 {h99:6.1f} ms ({hn} events, "
+        f"{held_rate:,.0f} events/s, ~{dead:,} dead rows, loadavg {held_load:.2f})\n"
+        f"  p99 held / p99 free: {h99 / p99:.2f} (target <= 2)"
+    )
+    return {"p50_ms": p50, "p99_ms": p99, "held_p50_ms": h50, "held_p99_ms": h99}
 
 
 async def read_topic(settings: OutboxSettings, topic: str, expect: int) -> list[tuple[str, int]]:
@@ -431,14 +564,40 @@ def compare_builds(
     return ratios
 
 
+def held_snapshot_run(
+    settings: OutboxSettings, args: argparse.Namespace, logs: Path
+) -> dict[str, float]:
+    """What a snapshot held meanwhile does to one relay: latency, then backlog drain."""
+    print(f"load: {os.cpu_count()} cores, loadavg {os.getloadavg()[0]:.2f}")
+    results = asyncio.run(
+        held_latency(settings, args.rate or 2000, args.held_snapshot, LATENCY_WINDOW, logs)
+    )
+    topic = asyncio.run(create_topic(settings, args.partitions))
+    for held in (False, True):
+        rate = drain_held(settings, topic, args.partitions, args.rows, logs, held)
+        results["drain_held" if held else "drain"] = rate
+        print(
+            f"{args.rows} backlog, 1 relay, {'snapshot held' if held else 'no snapshot'}: "
+            f"{rate:,.0f} events/s (loadavg {os.getloadavg()[0]:.2f})"
+        )
+    print(f"drain held / free: {results['drain_held'] / results['drain']:.2f} (target >= 0.8)")
+    return results
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--rows", type=int, default=200_000)
     ap.add_argument("--relays", default="1,2,4")
     ap.add_argument("--naive-rows", type=int, default=5_000)
-    ap.add_argument("--rate", type=int, default=1000)
+    ap.add_argument("--rate", type=int, help="steady events/s [1000; 2000 with --held-snapshot]")
     ap.add_argument("--latency-seconds", type=float, default=10)
     ap.add_argument("--partitions", type=int, default=6)
+    ap.add_argument(
+        "--held-snapshot",
+        type=float,
+        metavar="SECONDS",
+        help="only measure a held snapshot: steady stream and backlog, without and with one",
+    )
     ap.add_argument(
         "--kafka-security",
         type=Path,
@@ -480,6 +639,10 @@ def main() -> None:
             results = dict(compare_security(settings, secured, args.rows, args.partitions, logs))
             print(json.dumps(results))
             return
+        if args.held_snapshot:
+            results = held_snapshot_run(settings, args, logs)
+            print(json.dumps(results))
+            return
         topic = asyncio.run(create_topic(settings, args.partitions))
         print(
             f"load: {os.cpu_count()} cores, loadavg {os.getloadavg()[0]:.2f}; "
@@ -499,9 +662,10 @@ def main() -> None:
                 f"{n} relay process(es): {rates[n]:,.0f} events/s  "
                 f"({rates[n] / naive:.1f}x naive, {rates[n] / ceiling:.0%} of DB ceiling)"
             )
-        p50, p99, count = asyncio.run(latency(settings, args.rate, args.latency_seconds, logs))
+        rate = args.rate or 1000
+        p50, p99, count = asyncio.run(latency(settings, rate, args.latency_seconds, logs))
         print(
-            f"commit-to-append latency (broker LogAppendTime) at {args.rate} events/s "
+            f"commit-to-append latency (broker LogAppendTime) at {rate} events/s "
             f"({count} events, 1 relay): p50 {p50:.1f} ms, p99 {p99:.1f} ms"
         )
         cost = notify_cost(settings, 8, 5)

@@ -144,10 +144,31 @@ def _render_lag(report: LagReport, breaches: list[str]) -> Group:
         elif not g.partitions and not g.error:
             groups.add_row(g.group, "(no committed offsets)", "", "", "", "0", dead)
     shown: list[Any] = [topics, relays, groups]
+    if report.vacuum is not None:
+        shown.append(Text(_vacuum_line(report), style="yellow" if _snapshot_held(report) else ""))
     if report.kafka_error:
         shown.append(Text(f"kafka: {report.kafka_error}", style="yellow"))
     shown.extend(Text(f"THRESHOLD EXCEEDED: {b}", style="bold red") for b in breaches)
     return Group(*shown)
+
+
+# A snapshot this old is shown highlighted (the alert rule fires at 10 minutes).
+_SNAPSHOT_NOTICE_SECONDS = 60.0
+
+
+def _snapshot_held(report: LagReport) -> bool:
+    holder = report.vacuum.holder if report.vacuum else None
+    return holder is not None and (holder.seconds or 0) > _SNAPSHOT_NOTICE_SECONDS
+
+
+def _vacuum_line(report: LagReport) -> str:
+    """The outbox's dead rows and what holds back VACUUM, on one line."""
+    v = report.vacuum
+    if v is None:
+        return "vacuum: unknown"
+    dead = "unknown" if v.dead_rows is None else str(v.dead_rows)
+    held = v.holder.describe() if v.holder else "none"
+    return f"vacuum: outbox {dead} dead rows; oldest snapshot: {held}"
 
 
 def _lag_json(report: LagReport, breaches: list[str]) -> str:
@@ -267,11 +288,16 @@ def _parse_topics(specs: list[str]) -> dict[str, int | None]:
 
 
 def _doctor_options(
-    topics: list[str], idle_seconds: float, stale_after: float | None, kafka: bool
+    topics: list[str],
+    idle_seconds: float,
+    snapshot_seconds: float,
+    stale_after: float | None,
+    kafka: bool,
 ) -> DoctorOptions:
     return DoctorOptions(
         topics=run(lambda: _parse_topics(topics)),
         idle_seconds=idle_seconds,
+        snapshot_seconds=snapshot_seconds,
         stale_relay_seconds=stale_after,
         kafka=kafka,
     )
@@ -294,6 +320,12 @@ _TOPIC_OPTION = typer.Option(
 _IDLE_OPTION = typer.Option(
     60.0, "--idle-seconds", min=0, help="Flag sessions idle in a transaction for longer."
 )
+_SNAPSHOT_OPTION = typer.Option(
+    60.0,
+    "--snapshot-seconds",
+    min=0,
+    help="Flag a snapshot holding back VACUUM, or an open outbox writer, older than this.",
+)
 
 
 @app.command()
@@ -303,12 +335,13 @@ def doctor(
     strict: bool = typer.Option(False, "--strict", help="Exit 2 when there are warnings."),
     topics: list[str] = _TOPIC_OPTION,
     idle_seconds: float = _IDLE_OPTION,
+    snapshot_seconds: float = _SNAPSHOT_OPTION,
     stale_after: float | None = _STALE_OPTION,
     kafka: bool = typer.Option(True, "--kafka/--no-kafka", help="Check Kafka topics too."),
 ) -> None:
     """Check a deployment; every finding says what to do. Exit 1 on errors."""
     settings = settings_of(ctx)
-    options = _doctor_options(topics, idle_seconds, stale_after, kafka)
+    options = _doctor_options(topics, idle_seconds, snapshot_seconds, stale_after, kafka)
     findings = _with_engine(settings, lambda engine: diagnose(engine, settings, options))
     if as_json:
         print_json(to_dicts(findings))
@@ -323,11 +356,12 @@ def status(
     as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
     topics: list[str] = _TOPIC_OPTION,
     idle_seconds: float = _IDLE_OPTION,
+    snapshot_seconds: float = _SNAPSHOT_OPTION,
     stale_after: float | None = _STALE_OPTION,
 ) -> None:
     """A short summary: backlog, relays, consumers, and the doctor's problems."""
     settings = settings_of(ctx)
-    options = _doctor_options(topics, idle_seconds, stale_after, kafka=True)
+    options = _doctor_options(topics, idle_seconds, snapshot_seconds, stale_after, kafka=True)
 
     async def both(engine: Any) -> tuple[LagReport, list[Finding]]:
         report = await collect(engine, settings, topics=topics, stale_after=stale_after)
@@ -341,7 +375,13 @@ def status(
         groups = {
             g.group: {"lag": g.total_lag, "dead_letters": g.dead_letters} for g in report.groups
         }
-        data = {"totals": totals, "groups": groups, "problems": problems, "exit_code": code}
+        data = {
+            "totals": totals,
+            "groups": groups,
+            "vacuum": report.to_dict()["vacuum"],
+            "problems": problems,
+            "exit_code": code,
+        }
         print_json(data)
         raise typer.Exit(code)
     stale = len(report.relays) - len(report.live_relays)
@@ -351,7 +391,8 @@ def status(
         f"outbox   {report.pending} pending, oldest {_age(report.oldest_pending_age_seconds)}, "
         f"{report.failed} failed\n"
         f"relays   {len(report.live_relays)} live, {stale} stale, "
-        f"{owned}/{report.lanes} lanes owned",
+        f"{owned}/{report.lanes} lanes owned\n"
+        f"{_vacuum_line(report).replace('vacuum: ', 'vacuum   ', 1)}",
         highlight=False,
     )
     for g in report.groups:

@@ -104,6 +104,8 @@ async def probe_session(
         pid, _ = await _ask(a, PROBE_LOCK, params, wait_seconds)
         front = a.info.backend_pid != pid
         b = await _connect(dsn)
+        # Unknown until the rounds finish: if they fail, the lock may sit on B's session.
+        moved: str | None = "unknown"
         try:
             moved, full = await _rounds(a, b, pid, params, wait_seconds)
         finally:

@@ -10,13 +10,16 @@ running as the tables' owner. Advisory locks (the relay's lanes) need no grant.
   state. Also the application-side tables: idempotent requests and the effects ledger.
 * relay — claims (``FOR UPDATE SKIP LOCKED`` needs UPDATE), deletes or marks published rows,
   puts back unacknowledged ones (INSERT), moves rejected ones to ``failed``, its heartbeat
-  table ``relays``.
+  table ``relays``; reads the outbox id sequence's last value (the claim horizon,
+  relay/cursor.py; ``pg_locks`` needs no grant).
 * consumer — the inbox, attempt markers, dead letters, sequence guard, and the effects
   ledger; never the outbox (a handler that publishes gets the producer role too). The
   user's own tables are the user's to grant.
 * operator — reads everything (``lag``, ``doctor``, listings); deletes for ``cleanup`` and
   ``purge`` (its batches lock with ``FOR UPDATE SKIP LOCKED``, so UPDATE too); INSERT into
-  the outbox for ``failed retry``.
+  the outbox for ``failed retry``; membership in ``pg_read_all_stats`` where the script's
+  runner may grant it, so that ``doctor`` can show the state and query of a session that
+  holds back VACUUM (without it PostgreSQL shows only its pid and application name).
 """
 
 from __future__ import annotations
@@ -85,6 +88,7 @@ def roles_sql(settings: OutboxSettings, role_prefix: str | None = None) -> str:
         "-- relay",
         f"GRANT {_ALL} ON {tables('events', 'relays')} TO {r['relay']};",
         f"GRANT SELECT, INSERT, UPDATE ON {tables('failed')} TO {r['relay']};",
+        _grant_id_sequence(table(t.events.name), roles["relay"]),
         "-- consumer",
         f"GRANT {_ALL} ON "
         f"{tables('inbox', 'inbox_attempts', 'dead_letters', 'inbox_sequences', 'effects')} "
@@ -93,9 +97,33 @@ def roles_sql(settings: OutboxSettings, role_prefix: str | None = None) -> str:
         f"GRANT SELECT, UPDATE, DELETE ON {', '.join(table(n) for n in every_table)} "
         f"TO {r['operator']};",
         f"GRANT INSERT ON {tables('events')} TO {r['operator']};",
+        _grant_membership("pg_read_all_stats", roles["operator"]),
         "COMMIT;",
     ]
     return "\n".join(lines) + "\n"
+
+
+def _literal(value: str) -> str:
+    return "'" + value.replace("'", "''") + "'"
+
+
+def _grant_id_sequence(table: str, role: str) -> str:
+    # The identity sequence's name is PostgreSQL's to choose: look it up where it runs.
+    return (
+        "DO $$ BEGIN EXECUTE format('GRANT SELECT ON SEQUENCE %s TO %I', "
+        f"pg_get_serial_sequence({_literal(table)}, 'id'), {_literal(role)}); END $$;"
+    )
+
+
+def _grant_membership(group: str, role: str) -> str:
+    # Granting a predefined role needs CREATEROLE (PostgreSQL 15) or its ADMIN OPTION: not
+    # every owner has either, and the rest of the script does not depend on it.
+    return (
+        f"DO $$ BEGIN EXECUTE format('GRANT %I TO %I', {_literal(group)}, {_literal(role)}); "
+        "EXCEPTION WHEN insufficient_privilege THEN RAISE NOTICE "
+        f"'could not grant % to % (ask a superuser to)', {_literal(group)}, {_literal(role)}; "
+        "END $$;"
+    )
 
 
 def _create_role(name: str) -> str:

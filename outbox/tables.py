@@ -106,7 +106,8 @@ def _events(md: MetaData, prefix: str) -> Table:
         name,
         md,
         # Ordering inside a lane is by id. ids are assigned at INSERT, so a row with a lower
-        # id can become visible after a higher one; the relay never uses an id watermark.
+        # id can become visible after a higher one; the relay's claim cursors never pass an
+        # id whose writer may still commit (relay/cursor.py).
         Column("id", BigInteger, Identity(always=False), primary_key=True),
         *_record_columns(),
         Column("headers", JSONB, nullable=False, server_default=text("'{}'::jsonb")),

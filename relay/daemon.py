@@ -20,6 +20,8 @@ from outbox.ops.topics import relay_topics
 from outbox.poolers import SessionProbe
 from outbox.resilience.retry import RetryPolicy
 from outbox.settings import OutboxSettings
+from relay.cursor import ClaimCursors
+from relay.horizon import HorizonWatch
 from relay.kafka_state import KafkaState
 from relay.lanes import LaneManager, check_session
 from relay.maintenance import run_maintenance
@@ -43,7 +45,8 @@ class Relay:
         self.metrics = RelayMetrics(lanes=settings.lanes)
         self._metrics_port = metrics_port
         self._store = RelayStore(settings)
-        self.lanes = LaneManager(settings, self._store, self.metrics)
+        self.cursors = ClaimCursors()
+        self.lanes = LaneManager(settings, self._store, self.metrics, self.cursors)
         self._publisher = Publisher(settings)
         self._kafka = KafkaState(RetryPolicy.from_settings(settings.retry), self.metrics)
         self._stopping: asyncio.Event | None = None
@@ -119,16 +122,29 @@ class Relay:
             },
         )
         pipelines = [
-            Pipeline(i, s, self._store, self.lanes, self._publisher, self._kafka, self.metrics)
+            Pipeline(
+                i,
+                s,
+                self._store,
+                self.lanes,
+                self._publisher,
+                self._kafka,
+                self.metrics,
+                self.cursors,
+            )
             for i in range(s.relay.pipelines)
         ]
-        self._tasks = [asyncio.create_task(self.lanes.run(stopping), name="lanes")] + [
+        horizon = HorizonWatch(s, self._store, self.cursors, self.metrics, self.lanes.database)
+        self._tasks = [
+            asyncio.create_task(self.lanes.run(stopping), name="lanes"),
+            asyncio.create_task(horizon.run(stopping), name="horizon"),
+        ] + [
             asyncio.create_task(p.run(stopping), name=f"pipeline-{i}")
             for i, p in enumerate(pipelines)
         ]
         if s.relay.cleanup_interval_seconds > 0:
             self._tasks.append(
-                asyncio.create_task(run_maintenance(s, stopping), name="maintenance")
+                asyncio.create_task(run_maintenance(s, stopping, self.cursors), name="maintenance")
             )
         self._tasks.append(asyncio.create_task(self._report(stopping), name="status"))
         stop_wait = asyncio.create_task(stopping.wait())

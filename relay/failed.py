@@ -1,8 +1,8 @@
 """Operator functions over the failed table: list, retry (back into the outbox), purge.
 
-Retried rows keep their original id, so they re-enter their lane where they were; they
-cannot restore the order relative to later events of the same key that were published
-while they were parked (that order was given up when Kafka rejected them).
+Retried rows get new ids, in the order of their old ones, so they join the head of their
+lane like new rows (the relays' claim cursors may be past their old ids: relay/cursor.py).
+Their order relative to later events of the same key was given up when Kafka rejected them.
 """
 
 from __future__ import annotations

@@ -35,6 +35,7 @@ import random
 import socket
 import uuid
 from dataclasses import dataclass
+from typing import Any
 
 import psycopg
 
@@ -44,11 +45,16 @@ from outbox.outages import Dependency
 from outbox.poolers import SessionProbe, probe_session, refusal
 from outbox.resilience.retry import RetryPolicy
 from outbox.settings import OutboxSettings
+from relay.cursor import LANE_START, ClaimCursors
 from relay.metrics import RelayMetrics
 from relay.store import RelayStore
 from relay.waiting import sleep_unless
 
 log = logging.getLogger("relay.lanes")
+# Every lane's rows below its claim cursor are looked at once in this period, a share of
+# the lanes in each pending-stats round (a walk of the lane from its start, dead rows
+# included: the cost of the safety net, off the claim path and spread out).
+SAFETY_NET_SECONDS = 60.0
 
 
 def pooler_refusal(through: str) -> PoolerUnsupported:
@@ -110,8 +116,11 @@ class LaneManager:
         settings: OutboxSettings,
         store: RelayStore,
         metrics: RelayMetrics,
+        cursors: ClaimCursors | None = None,
     ) -> None:
         self._settings = settings
+        self._cursors = cursors or ClaimCursors()
+        self._net_from = 0  # the next lane of the safety net's rotation
         # Shared with the pipelines: one log line per database outage, not one per task.
         self.database = Dependency("database", log)
         self._store = store
@@ -247,13 +256,46 @@ class LaneManager:
             self._store.forget_dead, {"seconds": 10 * self._settings.relay.heartbeat_seconds + 5}
         )
 
+    def _net_share(self, known: dict[int, int]) -> dict[int, int]:
+        """This round's lanes for the safety net (with their cursors), in rotation."""
+        total = self._settings.lanes
+        per_round = min(
+            total,
+            math.ceil(total * self._settings.relay.stats_interval_seconds / SAFETY_NET_SECONDS),
+        )
+        share = [(self._net_from + i) % total for i in range(per_round)]
+        self._net_from = (self._net_from + per_round) % total
+        return {lane: known[lane] for lane in share if lane in known}
+
     async def _stats(self) -> None:
-        assert self._conn is not None
-        cur = await self._conn.execute(self._store.pending_stats)
-        row = await cur.fetchone()
-        assert row is not None
-        self._metrics.pending.set(float(row[0]))  # type: ignore[arg-type]
-        self._metrics.oldest_age.set(float(row[1]))  # type: ignore[arg-type]
+        """Pending rows and the oldest one's age; a share of the lanes is also looked at
+        below the claim cursors for stranded rows (relay/cursor.py)."""
+        conn = self._conn
+        assert conn is not None
+        before = self._cursors.known()  # before the statements' snapshots are taken
+        lanes = list(range(self._settings.lanes))
+        after = [before.get(lane, LANE_START) for lane in lanes]
+        net = self._net_share(before)
+        async with conn.transaction():
+            await conn.execute(RelayStore.INDEX_SCANS_ONLY)
+            cur = await conn.execute(self._store.pending_stats, {"lanes": lanes, "after": after})
+            rows: list[tuple[Any, ...]] = await cur.fetchall()
+            below: list[tuple[Any, ...]] = []
+            if net:
+                cur = await conn.execute(
+                    self._store.below_cursors, {"lanes": list(net), "after": list(net.values())}
+                )
+                below = await cur.fetchall()
+        self._metrics.pending.set(float(sum(int(r[1]) for r in rows)))
+        self._metrics.oldest_age.set(max((float(r[2]) for r in rows), default=0.0))
+        stranded = self._cursors.stranded(before, {int(r[0]): int(r[1]) for r in below})
+        if stranded:
+            log.warning(
+                "pending rows at or below the claim cursor of lanes %s (an id written outside "
+                "the outbox's rules?): those lanes are scanned from their start again",
+                stranded,
+            )
+            self._metrics.cursor_resets.inc(len(stranded))
 
     async def close(self) -> None:
         """Leave the registry and release every lane (closing the session does both)."""

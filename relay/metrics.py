@@ -57,6 +57,30 @@ class RelayMetrics:
             registry=r,
         )
         self.kafka_up = Gauge("outbox_relay_kafka_up", "1 when Kafka acknowledges.", registry=r)
+        self.dead_rows = Gauge(
+            "outbox_relay_outbox_dead_rows",
+            "Dead row versions in the outbox table (pg_stat_user_tables.n_dead_tup).",
+            registry=r,
+        )
+        self.oldest_snapshot_age = Gauge(
+            "outbox_relay_oldest_snapshot_age_seconds",
+            "Age of the oldest transaction, snapshot or slot holding back VACUUM in the "
+            "outbox's database (0: none).",
+            registry=r,
+        )
+        self.horizon_age = Gauge(
+            "outbox_relay_claim_horizon_age_seconds",
+            "How old the claim horizon is: rows published since are what claims walk over "
+            "while a snapshot is held (-1: no horizon, claims scan lanes from the start).",
+            registry=r,
+        )
+        self.horizon_age.set(-1)
+        self.cursor_resets = Counter(
+            "outbox_relay_claim_cursor_resets",
+            "Lane cursors forgotten because a pending row appeared below one (a writer "
+            "outside the outbox's rules: an explicit old id, a row marked unpublished by hand).",
+            registry=r,
+        )
 
     def status(self) -> dict[str, float]:
         """The figures of the relay's periodic status line, read back from the metrics."""
@@ -72,4 +96,6 @@ class RelayMetrics:
             "oldest_age_seconds": round(value("outbox_relay_oldest_pending_age_seconds"), 3),
             "owned_lanes": value("outbox_relay_owned_lanes"),
             "kafka_up": value("outbox_relay_kafka_up"),
+            "outbox_dead_rows": value("outbox_relay_outbox_dead_rows"),
+            "oldest_snapshot_seconds": round(value("outbox_relay_oldest_snapshot_age_seconds")),
         }

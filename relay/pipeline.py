@@ -35,6 +35,7 @@ from outbox.errors import ConfigurationError, DatabaseUnavailable, SchemaMissing
 from outbox.resilience.retry import RetryPolicy
 from outbox.settings import OutboxSettings
 from relay import tracing
+from relay.cursor import ClaimCursors
 from relay.errors import ProducerBroken, RecordRejected
 from relay.kafka_state import KafkaState
 from relay.lanes import LaneManager
@@ -45,6 +46,7 @@ from relay.store import (
     CE_ID,
     CLAIM_SESSION_SETTINGS,
     ID,
+    LANE,
     TOPIC,
     ClaimedRow,
     RelayStore,
@@ -70,8 +72,10 @@ class Pipeline:
         publisher: Publisher,
         kafka: KafkaState,
         metrics: RelayMetrics,
+        cursors: ClaimCursors,
     ) -> None:
         self._database = lanes.database
+        self._cursors = cursors
         self._index = index
         self._settings = settings
         self._store = store
@@ -215,6 +219,10 @@ class Pipeline:
         generation = self._publisher.generation
         outcome: Outcome | None = None
         rows: list[ClaimedRow] = []
+        # Where each lane's scan starts (relay/cursor.py); with a horizon known, the probe
+        # rides in the same round trip and says how far the cursors may move afterwards.
+        plan = self._cursors.plan(lanes)
+        first_pending: dict[int, int | None] = {}
         # Pipeline mode: BEGIN travels with the claim and COMMIT with the closing sync, two
         # round trips per batch instead of three. The block is opened and closed by hand
         # because psycopg's transaction() syncs right after BEGIN in a pipeline.
@@ -229,15 +237,29 @@ class Pipeline:
                     self._store.claim,
                     {
                         "lanes": lanes,
+                        "after": plan.after,
                         "limit": self._settings.relay.batch_size,
                         "max_bytes": self._claim_bytes,
                     },
                     prepare=False,
                 )
+                probe = None
+                if plan.behind:
+                    probe = conn.cursor(binary=True)
+                    await probe.execute(
+                        self._store.probe,
+                        {
+                            "lanes": [lane for lane, _ in plan.behind],
+                            "after": [after for _, after in plan.behind],
+                            "horizon": plan.horizon,
+                        },
+                    )
                 rows = await cur.fetchall()
                 # Drop libpq's copy of the result (as large as the rows) before the
                 # producer makes its own.
                 await cur.close()
+                if probe is not None:
+                    first_pending = {int(lane): first for lane, first in await probe.fetchall()}
                 if rows:
                     # Claimed per lane in id order already; one sort makes it explicit and
                     # costs far less than a round trip.
@@ -254,6 +276,13 @@ class Pipeline:
             await self._abort(conn)
             if not isinstance(exc, psycopg.Rollback):
                 raise
+        # Committed, or rolled back on purpose: what the probe saw holds either way.
+        acked = set(outcome.acked) if outcome is not None else set()
+        self._cursors.settle(
+            plan,
+            first_pending,
+            [(r[LANE], r[ID]) for i, r in enumerate(rows) if i not in acked],
+        )
         if not rows:
             return 0
         await self._after(rows, outcome, generation, started, loop.time())

@@ -40,7 +40,7 @@ from outbox.tables import build_tables
 
 Target = Literal["events", "inbox", "idempotency", "effects", "failed"]
 # ids are bigint identity values; start the key walk below any id a user could insert.
-_BEFORE_ALL_IDS = -(2**63)
+BEFORE_ALL_IDS = -(2**63)
 
 
 @dataclass(frozen=True)
@@ -75,6 +75,9 @@ class CleanupReport:
     dry_run: bool
     results: list[TargetResult] = field(default_factory=list)
     seconds: float = 0.0
+    # Where the next call's walk of published outbox rows may start (``events_after``);
+    # None unless ``events_horizon`` was given.
+    events_resume_after: int | None = None
 
     @property
     def total(self) -> int:
@@ -82,6 +85,7 @@ class CleanupReport:
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
+        del data["events_resume_after"]  # for a maintenance loop, not for people
         for r in data["results"]:
             r["cutoff"] = r["cutoff"].isoformat() if r["cutoff"] else None
         data["total"] = self.total
@@ -133,15 +137,19 @@ class _Cleaner:
         if self.pause:
             await asyncio.sleep(self.pause)
 
-    async def events(self, seconds: float, dry_run: bool) -> TargetResult:
+    async def events(
+        self, seconds: float, dry_run: bool, after: int, horizon: int | None
+    ) -> tuple[TargetResult, int | None]:
+        """Returns the result and where the next walk may start (with a ``horizon``)."""
+        start = after
         result = TargetResult("events", await self.cutoff(seconds))
         params: dict[str, Any] = {"cutoff": result.cutoff}
         if dry_run:
             result.deleted = int(await self._scalar(self.store.count_published, params))
-            return result
+            return result, None
         # Walk the primary key in windows: every statement touches one bounded id range,
         # and the walk ends at the first window created entirely after the cutoff.
-        after = _BEFORE_ALL_IDS
+        resume: int | None = None
         while self._more(result):
             with translated_errors():
                 async with self.engine.connect() as conn:
@@ -153,14 +161,24 @@ class _Cleaner:
                     ).one()
             if not window.n:
                 break
-            result.deleted += await self._delete(
+            deleted = await self._delete(
                 self.store.delete_published, {"after": after, "hi": window.hi, **params}
             )
+            result.deleted += deleted
+            if resume is None and deleted < window.due:
+                resume = after  # due rows another transaction had locked: look again
+            elif resume is None and window.kept is not None:
+                resume = window.kept - 1
             after = window.hi
             await self._after_batch(result)
             if window.all_young:
                 break
-        return result
+        if horizon is None:
+            return result, None
+        # Everything at or below the horizon was committed or rolled back before the
+        # windows were read (relay/cursor.py): nothing there can appear later.
+        kept = after if resume is None else resume
+        return result, max(start, min(after, kept, horizon))
 
     async def _batched(
         self, target: Target, seconds: float | None, delete: Any, count: Any, dry_run: bool
@@ -217,12 +235,20 @@ async def run_cleanup(
     pause_seconds: float = 0.0,
     max_batches: int | None = None,
     progress: Progress | None = None,
+    events_after: int = BEFORE_ALL_IDS,
+    events_horizon: int | None = None,
 ) -> CleanupReport:
     """Delete everything past ``retention`` (default: from ``settings``); see the module doc.
 
     ``max_batches`` bounds the work per table for one call (a maintenance task can run
     often and do a little each time); ``pause_seconds`` sleeps between batches to leave
     I/O to the hot path; ``progress`` is called after every batch.
+
+    ``events_after`` starts the walk of published outbox rows after that id; with
+    ``events_horizon`` (an id below which every writer has finished: the relay's claim
+    horizon) the report says in ``events_resume_after`` where the next call may start.
+    Passing it on keeps a periodic cleanup from walking the dead rows of earlier rounds
+    from the start of the table while a snapshot is held.
     """
     retention = retention or Retention.from_settings(settings)
     cleaner = _Cleaner(
@@ -236,7 +262,10 @@ async def run_cleanup(
     report = CleanupReport(dry_run=dry_run)
     started = time.monotonic()
     if retention.published_seconds is not None:
-        report.results.append(await cleaner.events(retention.published_seconds, dry_run))
+        events, report.events_resume_after = await cleaner.events(
+            retention.published_seconds, dry_run, events_after, events_horizon
+        )
+        report.results.append(events)
     if retention.inbox_seconds is not None:
         report.results.append(await cleaner.inbox(retention.inbox_seconds, dry_run))
     if retention.idempotency:

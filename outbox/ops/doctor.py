@@ -3,13 +3,15 @@
 Checks: migrations at head (or, for tables your own Alembic history manages, no drift from
 the declared tables); every declared index present and valid (the claim index is an
 error, the others warnings) and the claim index not bloated; autovacuum storage parameters
-on the hot tables; sessions idle in a transaction that hold back the xmin horizon; dead
-tuple ratio of the framework's tables; Kafka reachable and every topic with pending rows
-(or named by the caller) present with the expected partition count; dead-letter topics
-that take smaller records than their source topics; relay heartbeats and lane coverage;
-clock skew between this host and the database; what each database URL goes through
-(PostgreSQL itself, or a pooler in session or transaction mode) and which components may
-use it.
+on the hot tables; sessions idle in a transaction that hold back the xmin horizon; the
+oldest snapshot holding back VACUUM on the outbox (any state: ``pg_dump`` is "active") and
+the outbox's dead rows; transactions that wrote the outbox and stay open (the relays' claim
+horizon waits for them); dead tuple ratio of the framework's tables; Kafka reachable and
+every topic with pending rows (or named by the caller) present with the expected partition
+count; dead-letter topics that take smaller records than their source topics; relay
+heartbeats and lane coverage; clock skew between this host and the database; what each
+database URL goes through (PostgreSQL itself, or a pooler in session or transaction mode)
+and which components may use it.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from outbox.ops.kafka_probe import KafkaProbe
 from outbox.ops.lag import default_stale_after
 from outbox.ops.record_limits import header_room
 from outbox.ops.store import OpsStore
+from outbox.ops.vacuum import Holder, redact, vacuum_state
 from outbox.poolers import SessionProbe, probe_session
 from outbox.settings import OutboxSettings
 from outbox.tables import Tables, build_tables, hot_tables, set_storage_sql, storage_differences
@@ -61,6 +64,7 @@ class Finding:
 class DoctorOptions:
     topics: Mapping[str, int | None] = field(default_factory=dict)  # name -> partitions
     idle_seconds: float = 60.0
+    snapshot_seconds: float = 60.0
     stale_relay_seconds: float | None = None  # default: five relay heartbeat periods
     skew_warn_seconds: float = 1.0
     dead_ratio: float = 0.2
@@ -103,6 +107,23 @@ def _difference(diff: Any) -> str:
 def _create_index_sql(index: Index) -> str:
     ddl = str(CreateIndex(index).compile(dialect=_DIALECT)).strip()
     return ddl.replace("CREATE INDEX ", "CREATE INDEX CONCURRENTLY ", 1) + ";"
+
+
+def _release_advice(h: Holder) -> str:
+    if h.kind == "prepared":
+        return f"COMMIT PREPARED or ROLLBACK PREPARED {h.name!r} (see pg_prepared_xacts)"
+    if h.kind == "slot":
+        return (
+            f"let its standby catch up, or drop the slot if nothing uses it: "
+            f"SELECT pg_drop_replication_slot({h.name!r});"
+        )
+    advice = (
+        f"let it finish or end it: SELECT pg_terminate_backend({h.pid}); dump a standby "
+        "rather than a busy primary; set idle_in_transaction_session_timeout"
+    )
+    if h.state is None:
+        advice += "; grant pg_read_all_stats to see its state, age and query"
+    return advice
 
 
 class _Doctor:
@@ -347,6 +368,53 @@ class _Doctor:
                 "idle_in_transaction", "ok", f"no session idle in a transaction > {threshold:g}s"
             )
 
+    async def snapshot(self, conn: AsyncConnection) -> None:
+        """The oldest transaction, snapshot or slot holding back VACUUM, and what it costs
+        the outbox in dead rows."""
+        state = await vacuum_state(conn, self.store)
+        h, dead = state.holder, state.dead_rows or 0
+        limit = self.options.snapshot_seconds
+        details: dict[str, Any] = {"outbox_dead_rows": dead, "holder": h and h.to_dict()}
+        if h is None or (h.seconds is not None and h.seconds <= limit):
+            self.add("snapshot", "ok", f"no snapshot older than {limit:g}s", **details)
+            return
+        if h.seconds is None and dead < self.options.dead_min_rows:
+            # Age hidden from this role, and no sign of harm in the outbox: say nothing.
+            self.add("snapshot", "ok", "no sign of a held snapshot", **details)
+            return
+        level: Level = "error" if dead >= self.options.dead_min_rows else "warn"
+        self.add(
+            "snapshot",
+            level,
+            f"{h.describe()} holds back VACUUM; the outbox has {dead} dead rows it cannot "
+            "remove (relays skip them at their lane cursors; the table and its indexes grow)",
+            _release_advice(h),
+            **details,
+        )
+
+    async def outbox_writers(self, conn: AsyncConnection) -> None:
+        """Transactions that wrote the outbox and stay open: the one case relay cursors
+        cannot help (claims walk every row published since)."""
+        limit = self.options.snapshot_seconds
+        table = _qualified(self.tables, self.tables.events.name)
+        rows = list(
+            await conn.execute(self.store.outbox_writers, {"table": table, "threshold": limit})
+        )
+        for r in rows:
+            self.add(
+                "outbox_writer",
+                "error",
+                f"pid {r.pid} ({r.application or '-'}, {r.state}) wrote the outbox and has "
+                f"kept its transaction open for {r.seconds:.0f}s: relays cannot skip the dead "
+                f"rows published since (query: {redact(r.query)})",
+                f"end it: SELECT pg_terminate_backend({r.pid}); commit right after publish() "
+                "in the application",
+                pid=int(r.pid),
+                seconds=float(r.seconds),
+            )
+        if not rows:
+            self.add("outbox_writer", "ok", f"no outbox writer open for more than {limit:g}s")
+
     async def dead_tuples(self, conn: AsyncConnection) -> None:
         names = [t.name for t in self.tables.metadata.sorted_tables]
         rows = await conn.execute(self.store.table_stats, {"schema": self.schema, "names": names})
@@ -575,6 +643,8 @@ async def diagnose(
                     pending = int((await conn.execute(doctor.store.pending_total)).scalar_one())
                     await doctor.indexes(conn, pending)
                     await doctor.storage(conn)
+                    await doctor.snapshot(conn)
+                    await doctor.outbox_writers(conn)
                     await doctor.dead_tuples(conn)
                     await doctor.relays(conn, pending)
                     if doctor.options.kafka:

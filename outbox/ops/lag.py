@@ -22,6 +22,8 @@ What each figure means, and where it comes from:
 * relays - rows of the relays table; a relay is alive when its heartbeat is younger than
   ``stale_after`` seconds (default: five heartbeat periods). ``unowned_lanes`` lists lanes
   no live relay owns: their rows are not being published.
+* vacuum - the outbox's dead rows (``pg_stat_user_tables.n_dead_tup``) and the oldest
+  transaction, snapshot or slot holding back VACUUM in the database (outbox/ops/vacuum.py).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from outbox.db import translated_errors
 from outbox.errors import OutboxError
 from outbox.ops.kafka_probe import KafkaProbe
 from outbox.ops.store import OpsStore
+from outbox.ops.vacuum import VacuumState, vacuum_state
 from outbox.settings import OutboxSettings
 from outbox.tables import build_tables
 
@@ -111,6 +114,7 @@ class LagReport:
     groups: list[GroupLag] = field(default_factory=list)
     relays: list[RelayInfo] = field(default_factory=list)
     kafka_error: str | None = None
+    vacuum: VacuumState | None = None
 
     @property
     def pending(self) -> int:
@@ -154,6 +158,8 @@ class LagReport:
             relay["started_at"] = relay["started_at"].isoformat()
         for group, g in zip(data["groups"], self.groups, strict=True):
             group["total_lag"] = g.total_lag
+        data["vacuum"] = self.vacuum.to_dict() if self.vacuum else None
+        holder = self.vacuum.holder if self.vacuum else None
         data["totals"] = {
             "pending": self.pending,
             "failed": self.failed,
@@ -161,6 +167,8 @@ class LagReport:
             "live_relays": len(self.live_relays),
             "unowned_lanes": len(self.unowned_lanes),
             "max_consumer_lag": self.consumer_lag,
+            "outbox_dead_rows": self.vacuum.dead_rows if self.vacuum else None,
+            "oldest_snapshot_seconds": holder.seconds if holder else None,
         }
         return data
 
@@ -274,6 +282,7 @@ async def _database_part(
                 alive=age <= stale_after,
             )
         )
+    report.vacuum = await vacuum_state(conn, store)
     consumers: list[str] = []
     if discover_groups:
         consumers = list((await conn.execute(store.consumer_names)).scalars())

@@ -82,6 +82,59 @@ _IDLE_IN_TRANSACTION = text(
     """
 )
 
+# What holds back VACUUM's horizon for this database's tables, oldest first: sessions of
+# this database holding an xid or a snapshot (any state: pg_dump and reports are "active"),
+# walsenders (hot_standby_feedback), prepared transactions, replication slots with an xmin.
+# While one of them is old, the rows relays delete or mark published stay in the table and
+# its indexes. Only the first 80 characters of a query are read, never bind parameters
+# (which pg_stat_activity does not show); without pg_read_all_stats (or membership in the
+# session's role) PostgreSQL hides the state, start time and query of other roles'
+# sessions, and those columns are NULL. Plain text without parameters or percent signs:
+# the relay runs the same statement through psycopg (relay/store.py).
+VACUUM_HOLDERS = """
+    SELECT h.kind, h.pid, h.name, h.state, h.horizon, age(h.horizon) AS xid_age, h.seconds,
+           h.query
+    FROM (
+      SELECT 'session'::text AS kind, a.pid, a.application_name AS name, a.state,
+             coalesce(a.backend_xmin, a.backend_xid) AS horizon,
+             extract(epoch FROM now() - a.xact_start)::float8 AS seconds,
+             left(a.query, 80) AS query
+      FROM pg_stat_activity a
+      WHERE (a.backend_xmin IS NOT NULL OR a.backend_xid IS NOT NULL)
+        AND a.pid <> pg_backend_pid()
+        AND (a.datname = current_database() OR a.backend_type = 'walsender')
+      UNION ALL
+      SELECT 'prepared', NULL, p.gid, 'prepared', p.transaction,
+             extract(epoch FROM now() - p.prepared)::float8, NULL
+      FROM pg_prepared_xacts p WHERE p.database = current_database()
+      UNION ALL
+      SELECT 'slot', s.active_pid, s.slot_name,
+             CASE WHEN s.active THEN 'active' ELSE 'inactive' END, s.xmin, NULL, NULL
+      FROM pg_replication_slots s WHERE s.xmin IS NOT NULL
+    ) h
+    ORDER BY age(h.horizon) DESC
+"""
+
+_VACUUM_HOLDERS = text(VACUUM_HOLDERS + " LIMIT :limit")
+
+# Transactions holding RowExclusiveLock on the outbox (they inserted, updated or deleted
+# rows of it) open for longer than :threshold seconds: the relays' claim horizon cannot
+# pass the ids they took (relay/cursor.py). Start time and query need pg_read_all_stats
+# for other roles' sessions; without it they are not listed.
+_OUTBOX_WRITERS = text(
+    """
+    SELECT a.pid, a.application_name AS application, a.state,
+           extract(epoch FROM now() - a.xact_start)::float8 AS seconds,
+           left(a.query, 80) AS query
+    FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
+    WHERE l.locktype = 'relation' AND l.mode = 'RowExclusiveLock' AND l.granted
+      AND l.relation = CAST(:table AS regclass)
+      AND a.pid <> pg_backend_pid()
+      AND now() - a.xact_start > make_interval(secs => :threshold)
+    ORDER BY a.xact_start
+    """
+)
+
 _CLOCK = text("SELECT clock_timestamp() AS db_now")
 
 # TLS of this very connection (a role needs no privilege to see its own backend's row).
@@ -198,6 +251,8 @@ class OpsStore:
     reloptions: TextClause = _RELOPTIONS
     table_stats: TextClause = _TABLE_STATS
     idle_in_transaction: TextClause = _IDLE_IN_TRANSACTION
+    vacuum_holders: TextClause = _VACUUM_HOLDERS
+    outbox_writers: TextClause = _OUTBOX_WRITERS
     clock: TextClause = _CLOCK
     own_tls: TextClause = _OWN_TLS
 
@@ -220,8 +275,9 @@ class OpsStore:
 
     @cached_property
     def events_window(self) -> Select[Any]:
-        """The next ``:scan`` ids after ``:after`` (primary-key order) and whether all of
-        them were created after ``:cutoff``.
+        """The next ``:scan`` ids after ``:after`` (primary-key order): the highest, how
+        many, whether all of them were created after ``:cutoff``, how many are due for
+        deletion, and the lowest one kept.
 
         Published rows can only have been published after they were created, so once a
         whole window is younger than the cutoff nothing further along can be due; the walk
@@ -229,16 +285,21 @@ class OpsStore:
         """
         e = self.tables.events
         window = (
-            select(e.c.id, e.c.created_at)
+            select(e.c.id, e.c.created_at, e.c.published_at)
             .where(e.c.id > bindparam("after"))
             .order_by(e.c.id)
             .limit(bindparam("scan"))
             .subquery()
         )
+        due = window.c.published_at < bindparam("cutoff")
         return select(
             func.max(window.c.id).label("hi"),
             func.count().label("n"),
             func.bool_and(window.c.created_at >= bindparam("cutoff")).label("all_young"),
+            func.count().filter(due).label("due"),
+            # The lowest id this window keeps (pending, or published after the cutoff): a
+            # later run must look at it again, not at anything below it.
+            func.min(window.c.id).filter(~due | window.c.published_at.is_(None)).label("kept"),
         )
 
     @cached_property

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -70,6 +71,69 @@ def test_doctor_flags_an_idle_in_transaction_session(fresh_schema: SchemaFactory
         idle.rollback()
     report = cli.json("doctor", "--no-kafka", "--idle-seconds", "1")
     assert not [f for f in findings(report, "idle_in_transaction") if f["level"] != "ok"]
+
+
+def test_doctor_status_and_lag_name_a_held_snapshot_and_an_open_outbox_writer(
+    fresh_schema: SchemaFactory,
+) -> None:
+    """A report running in REPEATABLE READ (state "active", like pg_dump) holds back VACUUM
+    while the outbox gathers dead rows, and a producer's transaction stays open after its
+    INSERT. doctor, status and lag name both, never the report's literal."""
+    s = fresh_schema()
+    cli = Cli(s)
+    events = f'"{s.db_schema}"."{s.table_prefix}events"'
+    insert = (
+        f"INSERT INTO {events} (event_id, topic, lane, event_type, source, content_type,"
+        " payload, fingerprint) SELECT gen_random_uuid(), 't', g %% 8, 'e', 's', 'c', '', ''"
+        " FROM generate_series(1, %s) g"
+    )
+    with psycopg.connect(s.libpq_dsn, application_name="nightly-report") as held:
+        held.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+        held.execute("SELECT txid_current()")
+        running = threading.Thread(
+            target=lambda: held.execute("SELECT pg_sleep(12), 'secret-literal' AS label")
+        )
+        running.start()
+        with psycopg.connect(s.libpq_dsn) as conn:  # closing it flushes its statistics
+            conn.execute(insert, (300,))
+            conn.commit()
+            conn.execute(f"DELETE FROM {events}")  # as a relay would, after publishing
+            conn.commit()
+        with psycopg.connect(s.libpq_dsn, application_name="forgetful-producer") as writer:
+            writer.execute(insert, (1,))  # and the transaction stays open
+            time.sleep(2)
+            report = cli.json("doctor", "--no-kafka", "--snapshot-seconds", "1", expect_rc=1)
+            status = cli.json("status", "--snapshot-seconds", "1", expect_rc=1)
+            lag = cli.json("lag", "--no-kafka")
+            plain = cli("status", "--snapshot-seconds", "1").stdout
+            writer_pid = writer.info.backend_pid
+            writer.rollback()
+        running.join()
+        held.rollback()
+        held_pid = held.info.backend_pid
+    [snapshot] = findings(report, "snapshot")
+    assert snapshot["level"] == "warn"  # 300 dead rows: below the error threshold
+    holder = snapshot["details"]["holder"]
+    assert (holder["pid"], holder["name"], holder["state"]) == (
+        held_pid,
+        "nightly-report",
+        "active",
+    )
+    assert holder["query"] == "SELECT pg_sleep(12), '…' AS label"
+    assert holder["seconds"] > 1
+    assert snapshot["details"]["outbox_dead_rows"] >= 300
+    assert f"pg_terminate_backend({held_pid})" in snapshot["action"]
+    [writer_finding] = findings(report, "outbox_writer")
+    assert writer_finding["level"] == "error"
+    assert writer_finding["details"]["pid"] == writer_pid
+    assert "forgetful-producer" in writer_finding["what"]
+    assert status["vacuum"]["oldest_snapshot"]["pid"] == held_pid
+    assert {p["check"] for p in status["problems"]} >= {"snapshot", "outbox_writer"}
+    assert lag["vacuum"]["outbox_dead_rows"] >= 300
+    assert lag["totals"]["oldest_snapshot_seconds"] > 1
+    assert "nightly-report" in plain and "dead rows" in plain
+    for out in (report, status, lag, plain):
+        assert "secret-literal" not in str(out)
 
 
 async def test_doctor_checks_topics_and_relays(

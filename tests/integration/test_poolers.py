@@ -23,7 +23,7 @@ from sqlalchemy.orm import Session
 from outbox import Outbox
 from outbox.db import async_engine, sync_engine
 from outbox.effects import Effects
-from outbox.errors import PoolerUnsupported
+from outbox.errors import DatabaseUnavailable, PoolerUnsupported
 from outbox.idempotency import IdempotencyKeys
 from outbox.poolers import SessionProbe, probe_session
 from outbox.settings import OutboxSettings
@@ -99,6 +99,22 @@ async def test_the_probe_leaves_no_lock_on_a_stable_session(base_settings: Outbo
             "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND pid = pg_backend_pid()"
         )
         assert await cur.fetchone() == (0,)
+
+
+async def test_a_connection_lost_mid_probe_is_database_unavailable(
+    base_settings: OutboxSettings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A relay's lanes connection re-runs the probe on every reconnect, often while the
+    # database is going away: the probe must fail as "unavailable" (retried by the relay),
+    # not with an error of its own that stops the daemon.
+    import outbox.poolers
+
+    async def terminated(*_: Any) -> tuple[str | None, bool]:
+        raise DatabaseUnavailable("database unavailable: terminating connection [SQLSTATE 57P01]")
+
+    monkeypatch.setattr(outbox.poolers, "_rounds", terminated)
+    with pytest.raises(DatabaseUnavailable, match="57P01"):
+        await probe_session(base_settings)
 
 
 # --------------------------------------------------------------- the producer path

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 import psycopg
 import pytest
@@ -15,10 +15,11 @@ from outbox import Outbox
 from outbox.settings import OutboxSettings
 from outbox.tables import build_tables
 from relay import Relay
+from relay.cursor import LANE_START
 from relay.store import ID, LANE, RelayStore
 from tests.support.inbox import wait_for
 from tests.support.kafka import read_all
-from tests.support.relay import publish_numbered, read_ids, verdict
+from tests.support.relay import fast, publish_numbered, read_ids, verdict
 
 pytestmark = pytest.mark.integration
 
@@ -27,28 +28,6 @@ pytestmark = pytest.mark.integration
 def settings(isolated_settings: OutboxSettings) -> OutboxSettings:
     # A relay publishes every pending row of its tables: give each test tables of its own.
     return isolated_settings
-
-
-def fast(settings: OutboxSettings, **relay: object) -> OutboxSettings:
-    r = settings.relay.model_copy(update={"heartbeat_seconds": 0.3, **relay})
-    retry = settings.retry.model_copy(update={"base_seconds": 0.05, "cap_seconds": 1.0})
-    return settings.model_copy(update={"relay": r, "retry": retry})
-
-
-@pytest.fixture
-async def running() -> AsyncIterator[Callable[[OutboxSettings], Awaitable[Relay]]]:
-    started: list[tuple[Relay, asyncio.Task[None]]] = []
-
-    async def start(s: OutboxSettings) -> Relay:
-        relay = Relay(s)
-        started.append((relay, asyncio.create_task(relay.run())))
-        return relay
-
-    yield start
-    for relay, _ in started:
-        relay.stop()
-    for _, task in started:
-        await asyncio.wait_for(task, 15)
 
 
 async def test_committed_events_arrive_rolled_back_never(
@@ -330,7 +309,10 @@ def test_a_claim_stops_at_its_byte_budget_keeping_each_lane_a_prefix(
     def claim(max_bytes: int) -> list[tuple[int, int]]:
         with psycopg.connect(s.libpq_dsn) as conn:  # rolled back on leaving: nothing claimed
             cur = conn.cursor(binary=True)
-            cur.execute(store.claim, {"lanes": [1, 0], "limit": 100, "max_bytes": max_bytes})
+            cur.execute(
+                store.claim,
+                {"lanes": [1, 0], "after": [LANE_START] * 2, "limit": 100, "max_bytes": max_bytes},
+            )
             rows = sorted(cur.fetchall(), key=lambda r: r[ID])
             conn.rollback()
         return [(r[ID], r[LANE]) for r in rows]

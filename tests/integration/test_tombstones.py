@@ -21,6 +21,7 @@ from outbox import TOMBSTONE, Outbox
 from outbox.ops.topics import TopicSpec, ensure
 from outbox.settings import OutboxSettings
 from relay import Relay, list_failed, retry_failed
+from relay.cursor import LANE_START
 from relay.store import CE_ID, RelayStore
 from tests.support.inbox import RunningConsumer, fast_settings, wait_for
 from tests.support.kafka import Record, cleanup_policies, read_all, read_until
@@ -206,7 +207,13 @@ async def test_a_tombstone_put_back_or_parked_by_the_relay_keeps_its_null_payloa
     store = RelayStore(settings)
     with psycopg.connect(settings.libpq_dsn) as conn:
         claimed = conn.execute(
-            store.claim, {"lanes": list(range(settings.lanes)), "limit": 10, "max_bytes": 1 << 20}
+            store.claim,
+            {
+                "lanes": list(range(settings.lanes)),
+                "after": [LANE_START] * settings.lanes,
+                "limit": 10,
+                "max_bytes": 1 << 20,
+            },
         ).fetchall()
         assert [r[CE_ID] for r in claimed] == [event_id]
         params = store.restore_params(claimed, [5], ["rejected"], [0.0])

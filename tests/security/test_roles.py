@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -115,6 +116,57 @@ def test_the_producer_publishes_and_can_do_nothing_else_to_the_outbox(jobs: Jobs
     assert refused(producer, f"SELECT published_at FROM {jobs.events}") == "42501"
 
 
+def test_the_relay_reads_its_claim_horizon_and_the_vacuum_figures(jobs: Jobs) -> None:
+    """The statements of relay/horizon.py, as the relay's role: the id sequence (granted
+    by the script), pg_locks and the statistics views (no grant needed)."""
+    from relay.store import RelayStore
+
+    store = RelayStore(jobs.owner)
+    with psycopg.connect(jobs.as_job["relay"].libpq_dsn, autocommit=True) as conn:
+        row = conn.execute(store.last_id).fetchone()
+        assert row is not None and row[1] is True
+        conn.execute(store.writers).fetchall()
+        assert conn.execute(store.vacuum_stats).fetchone() is not None
+    assert refused(jobs.as_job["consumer"], store.last_id.as_string(None)) == "42501"
+
+
+async def test_a_relay_without_the_sequence_grant_turns_its_horizon_off(
+    jobs: Jobs, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Roles created before this grant existed: the relay says what to grant, once, and
+    claims scan their lanes from the start as before (nothing else changes)."""
+    from outbox.outages import Dependency
+    from relay.cursor import ClaimCursors
+    from relay.horizon import HorizonWatch
+    from relay.metrics import RelayMetrics
+    from relay.store import RelayStore
+
+    with psycopg.connect(jobs.owner.libpq_dsn, autocommit=True) as conn:
+        seq = conn.execute("SELECT pg_get_serial_sequence(%s, 'id')", (jobs.events,)).fetchone()
+        assert seq is not None
+        group = jobs.logins["relay"].removesuffix("_login")
+        conn.execute(f'REVOKE SELECT ON SEQUENCE {seq[0]} FROM "{group}"')
+    relay = jobs.as_job["relay"]
+    cursors = ClaimCursors()
+    watch = HorizonWatch(
+        relay,
+        RelayStore(relay),
+        cursors,
+        RelayMetrics(),
+        Dependency("database", logging.getLogger()),
+    )
+    caplog.set_level("WARNING", logger="relay.horizon")
+    watch._conn = await watch._connect()
+    try:
+        assert await watch._read(0.0) is False
+        assert await watch._read(1.0) is False
+    finally:
+        await watch._close()
+    assert cursors.horizon.value is None
+    [line] = [r.getMessage() for r in caplog.records]
+    assert "permission denied for sequence" in line and "outbox db sql --roles" in line
+
+
 def test_the_consumer_cannot_touch_the_outbox(jobs: Jobs) -> None:
     consumer = jobs.as_job["consumer"]
     assert refused(consumer, f"SELECT count(*) FROM {jobs.events}") == "42501"
@@ -210,3 +262,4 @@ async def test_every_daemon_does_its_job_under_its_role(
     assert relay.stop() == 0 and consume.stop() == 0
     for daemon in (relay, consume):
         assert "permission denied" not in daemon.output()
+    assert "claim horizon off" not in relay.output()

@@ -28,6 +28,13 @@ from tests.support.kafka import Record, read_until
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def fast(settings: OutboxSettings, **relay: object) -> OutboxSettings:
+    """Settings for an in-process relay under test: quick heartbeats and retries."""
+    r = settings.relay.model_copy(update={"heartbeat_seconds": 0.3, **relay})
+    retry = settings.retry.model_copy(update={"base_seconds": 0.05, "cap_seconds": 1.0})
+    return settings.model_copy(update={"relay": r, "retry": retry})
+
+
 def publish_numbered(
     engine: Engine,
     settings: OutboxSettings,

@@ -25,6 +25,12 @@ def test_unowned_lanes_compares_with_the_exported_lane_count() -> None:
     assert re.search(r"sum\(outbox_relay_owned_lanes\) < on\(\) max\(outbox_relay_lanes\)", expr)
 
 
+def test_the_held_snapshot_rule_needs_both_an_old_snapshot_and_dead_outbox_rows() -> None:
+    expr = " ".join(_rules()["OutboxSnapshotHeld"]["expr"].split())
+    assert "max(outbox_relay_oldest_snapshot_age_seconds) > 600" in expr
+    assert "and on() max(outbox_relay_outbox_dead_rows) > 0" in expr
+
+
 @pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed")
 def test_alert_rules_pass_promtool() -> None:
     proc = subprocess.run(

@@ -1,0 +1,28 @@
+"""Fixtures of the integration tests."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import pytest
+
+from outbox.settings import OutboxSettings
+from relay import Relay
+
+
+@pytest.fixture
+async def running() -> AsyncIterator[Callable[[OutboxSettings], Awaitable[Relay]]]:
+    """``await running(settings)`` starts a relay in this process; all stop at the end."""
+    started: list[tuple[Relay, asyncio.Task[None]]] = []
+
+    async def start(s: OutboxSettings) -> Relay:
+        relay = Relay(s)
+        started.append((relay, asyncio.create_task(relay.run())))
+        return relay
+
+    yield start
+    for relay, _ in started:
+        relay.stop()
+    for _, task in started:
+        await asyncio.wait_for(task, 15)
