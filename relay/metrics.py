@@ -56,7 +56,18 @@ class RelayMetrics:
             "Age of the oldest pending row, by the database clock.",
             registry=r,
         )
-        self.kafka_up = Gauge("outbox_relay_kafka_up", "1 when Kafka acknowledges.", registry=r)
+        self.kafka_up = Gauge(
+            "outbox_relay_kafka_up",
+            "1 while Kafka acknowledges anything; 0 when the relay can publish nothing.",
+            registry=r,
+        )
+        self.partitions_unavailable = Gauge(
+            "outbox_relay_partitions_unavailable",
+            "Partitions whose rows wait in the outbox because Kafka does not answer for them "
+            "(a crashed or hung broker); the other partitions keep flowing.",
+            ["topic"],
+            registry=r,
+        )
 
     def status(self) -> dict[str, float]:
         """The figures of the relay's periodic status line, read back from the metrics."""
@@ -72,4 +83,9 @@ class RelayMetrics:
             "oldest_age_seconds": round(value("outbox_relay_oldest_pending_age_seconds"), 3),
             "owned_lanes": value("outbox_relay_owned_lanes"),
             "kafka_up": value("outbox_relay_kafka_up"),
+            "partitions_unavailable": sum(
+                sample.value
+                for metric in self.partitions_unavailable.collect()
+                for sample in metric.samples
+            ),
         }
