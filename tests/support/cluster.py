@@ -16,7 +16,7 @@ import os
 import subprocess
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -100,26 +100,26 @@ class KafkaCluster:
             self.start(node)
 
     # -- metadata ---------------------------------------------------------------------------
-    async def admin(self) -> AIOKafkaAdminClient:
+    @contextlib.asynccontextmanager
+    async def admin(self) -> AsyncIterator[AIOKafkaAdminClient]:
+        """An admin client whose start and close cannot hang a test on a sick broker."""
         client = AIOKafkaAdminClient(bootstrap_servers=self.bootstrap, request_timeout_ms=5000)
-        await client.start()
-        return client
+        await asyncio.wait_for(client.start(), 30)
+        try:
+            yield client
+        finally:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(client.close(), 5)
 
     async def create_topic(self, name: str, partitions: int) -> None:
-        """Replication factor 3; records stamped with the broker's append time (which the
-        fault tests read as "when Kafka had it")."""
-        admin = await self.admin()
-        try:
-            config = {"message.timestamp.type": "LogAppendTime"}
-            await admin.create_topics([NewTopic(name, partitions, 3, topic_configs=config)])
-        finally:
-            await admin.close()
+        """A topic with replication factor 3 (min.insync.replicas 2, the cluster's)."""
+        async with self.admin() as admin:
+            await admin.create_topics([NewTopic(name, partitions, 3)])
 
     async def group_on(self, broker: int, tries: int = 60) -> str | None:
         """A consumer group name whose group coordinator is ``broker`` (None if no name
         tried lands there)."""
-        admin = await self.admin()
-        try:
+        async with self.admin() as admin:
             for _ in range(tries):
                 name = f"c-{uuid.uuid4().hex[:8]}"
                 try:
@@ -127,23 +127,15 @@ class KafkaCluster:
                         return name
                 except Exception:  # the offsets topic being created: ask again
                     await asyncio.sleep(0.5)
-        finally:
-            await admin.close()
         return None
 
     async def coordinator(self, group: str) -> int:
-        admin = await self.admin()
-        try:
+        async with self.admin() as admin:
             return int(await admin.find_coordinator(group))
-        finally:
-            await admin.close()
 
     async def describe(self, topic: str) -> dict[int, PartitionInfo]:
-        admin = await self.admin()
-        try:
+        async with self.admin() as admin:
             [described] = await admin.describe_topics([topic])
-        finally:
-            await admin.close()
         return {
             p["partition"]: PartitionInfo(
                 p["partition"], p["leader"], tuple(p["replicas"]), tuple(p["isr"])
@@ -159,12 +151,9 @@ class KafkaCluster:
         last: object = None
         while True:
             try:
-                admin = await self.admin()
-                try:
+                async with self.admin() as admin:
                     cluster = await admin.describe_cluster()
                     described = await admin.describe_topics(topics) if topics else []
-                finally:
-                    await admin.close()
                 brokers = len(cluster["brokers"])
                 lagging = [
                     (t["topic"], p["partition"])
@@ -201,8 +190,7 @@ class FailoverWatch:
     async def __aexit__(self, *exc: object) -> None:
         assert self._task is not None
         self._task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._task
+        await asyncio.wait({self._task}, timeout=10)
 
     async def _run(self) -> None:
         admin = AIOKafkaAdminClient(
@@ -223,7 +211,8 @@ class FailoverWatch:
                         self.recovered.setdefault(p["partition"], now)
                 await asyncio.sleep(0.25)
         finally:
-            await admin.close()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(admin.close(), 5)
 
 
 def busiest_leader(partitions: dict[int, PartitionInfo]) -> int:
