@@ -42,8 +42,8 @@ from relay.metrics import RelayMetrics
 
 log = logging.getLogger("relay.kafka")
 
-MIN_DELAY = 0.25
-MAX_DELAY = 1.0
+MIN_DELAY = 0.2
+MAX_DELAY = 0.5
 HOLD_MEMORY_SECONDS = 300.0
 # Stalls shorter than this are counted (metric) but not logged.
 QUIET_SECONDS = 1.0
@@ -106,7 +106,7 @@ class PartitionHealth:
 
     @staticmethod
     def _delay(stall: _Stall, now: float) -> float:
-        return min(MAX_DELAY, max(MIN_DELAY, (now - stall.started) / 4))
+        return min(MAX_DELAY, max(MIN_DELAY, (now - stall.started) / 8))
 
     def leaders(self) -> dict[TopicPartition, int | None]:
         """The stalled partitions and the leader each had when it stalled."""

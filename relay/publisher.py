@@ -144,7 +144,8 @@ class Publisher:
     def __init__(self, settings: OutboxSettings, metrics: RelayMetrics | None = None) -> None:
         self._settings = settings
         self._metrics = metrics or RelayMetrics()
-        # Producer i serves the partitions mapped to it; 0 also answers metadata questions.
+        # Producer i serves the partitions mapped to it (any one answers metadata questions
+        # and builds batches); started on first use.
         self._producers: list[AIOKafkaProducer | None] = [None] * settings.relay.producers
         self._starting: dict[int, asyncio.Task[AIOKafkaProducer]] = {}
         self._producer_of: dict[tuple[str, int], int] = {}
@@ -196,13 +197,8 @@ class Publisher:
         return random.choice(healthy or nodes) if nodes else None
 
     def _new_producer(self) -> AIOKafkaProducer:
-        producer = self._make_producer()
-        producer.client.get_random_node = functools.partial(self._pick_node, producer.client)
-        return producer
-
-    def _make_producer(self) -> AIOKafkaProducer:
         r = self._settings.relay
-        return kafka_producer(
+        producer = kafka_producer(
             self._settings,
             bootstrap_servers=self._bootstrap(),
             client_id="outbox-relay",
@@ -216,6 +212,8 @@ class Publisher:
             request_timeout_ms=int(r.ack_timeout_seconds * 1000),
             retry_backoff_ms=200,
         )
+        producer.client.get_random_node = functools.partial(self._pick_node, producer.client)
+        return producer
 
     async def _start(self, index: int) -> AIOKafkaProducer:
         """Producer ``index``, started if it is not (one start at a time per index);
@@ -241,10 +239,6 @@ class Publisher:
                 await asyncio.wait_for(producer.stop(), 2.0)
             raise classify(exc) from exc
         return producer
-
-    async def start(self) -> None:
-        """Connect the first producer; raises BrokerUnavailable when Kafka is down."""
-        await self._start(0)
 
     @property
     def started(self) -> bool:
@@ -485,9 +479,12 @@ class Publisher:
                         if tp not in stalled or p["leader"] < 0:
                             continue
                         isr = tuple(sorted(p["isr"]))
-                        if p["leader"] == stalled[tp] and seen.setdefault(tp, isr) == isr:
+                        moved = p["leader"] != stalled[tp]
+                        if not moved and seen.setdefault(tp, isr) == isr:
                             continue
-                        if now - acted.setdefault(tp, now) >= LEADER_PROBE_SECONDS:
+                        # A new leader: the batch waits on the old one. In-sync replicas
+                        # changed: the batch should be answered now; give it a moment.
+                        if moved or now - acted.setdefault(tp, now) >= LEADER_PROBE_SECONDS:
                             producer = self._producers[self._producer_of.get(tp, 0)]
                             if producer is not None:
                                 self._replace(producer)
