@@ -62,16 +62,16 @@ async def test_after_the_stall_rows_wait_until_those_put_back_are_due(
     batch: asyncio.Future[None] = asyncio.get_running_loop().create_future()
     health.stalled(TP, batch, leader=2)
     clock.now += 4
-    put_back = health.refusal(TP, clock.now)  # 4 s into the stall: delay 1 s, due at 105
-    assert put_back is not None and put_back.delay == pytest.approx(1.0)
+    put_back = health.refusal(TP, clock.now)  # 4 s into the stall: delay 0.5 s, due at 104.5
+    assert put_back is not None and put_back.delay == pytest.approx(0.5)
     batch.set_result(None)
     health.answered()
-    clock.now += 0.4
+    clock.now += 0.2
     # A claim that began before the put-back rows are due may have passed over them: its
     # rows of that partition go back too, due no later than the others.
     late = health.refusal(TP, clock.now - 0.1)
-    assert late is not None and late.delay == pytest.approx(0.6)
-    assert health.refusal(TP, 105.0) is None  # a claim from then on sees them all
+    assert late is not None and late.delay == pytest.approx(0.3)
+    assert health.refusal(TP, 104.5) is None  # a claim from then on sees them all
 
 
 async def test_a_replaced_producer_s_batches_are_forgotten(health: PartitionHealth) -> None:
