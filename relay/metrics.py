@@ -63,9 +63,9 @@ class RelayMetrics:
         )
         self.partitions_unavailable = Gauge(
             "outbox_relay_partitions_unavailable",
-            "Partitions whose rows wait in the outbox because Kafka does not answer for them "
-            "(a crashed or hung broker); the other partitions keep flowing.",
-            ["topic"],
+            "Partitions (all topics) whose rows wait in the outbox because Kafka does not "
+            "answer for them (a crashed or hung broker); the others keep flowing. The log "
+            "says which.",
             registry=r,
         )
 
@@ -83,9 +83,5 @@ class RelayMetrics:
             "oldest_age_seconds": round(value("outbox_relay_oldest_pending_age_seconds"), 3),
             "owned_lanes": value("outbox_relay_owned_lanes"),
             "kafka_up": value("outbox_relay_kafka_up"),
-            "partitions_unavailable": sum(
-                sample.value
-                for metric in self.partitions_unavailable.collect()
-                for sample in metric.samples
-            ),
+            "partitions_unavailable": value("outbox_relay_partitions_unavailable"),
         }

@@ -71,7 +71,6 @@ class PartitionHealth:
         # per change, not one per batch).
         self._reported: dict[str, frozenset[int]] = {}
         self._since: dict[str, tuple[float, datetime]] = {}
-        self._counted: set[str] = set()  # topics the gauge shows
 
     # -- what publish asks ------------------------------------------------------------------
     def refusal(self, tp: TopicPartition, claimed_at: float) -> PartitionUnavailable | None:
@@ -142,8 +141,8 @@ class PartitionHealth:
 
     # -- what people see ------------------------------------------------------------------------
     def report(self, partitions: dict[str, list[int]]) -> None:
-        """One log line per topic whose set of unavailable partitions changed, and the
-        ``outbox_relay_partitions_unavailable`` gauge. ``partitions``: each topic's
+        """The ``outbox_relay_partitions_unavailable`` gauge, and one log line per topic
+        whose set of unavailable partitions changed. ``partitions``: each topic's
         partitions (for "3 of 12")."""
         # Holds long past cannot matter to any claim still in flight (a batch ends within
         # the ack timeout); without pruning, every partition ever stalled would stay here.
@@ -151,19 +150,15 @@ class PartitionHealth:
         for tp in [tp for tp, hold in self._holds.items() if hold < horizon]:
             del self._holds[tp]
         clock = self._clock()
+        self._metrics.partitions_unavailable.set(len(self._stalls))
         by_topic: dict[str, dict[int, int | None]] = {}
-        counts: dict[str, int] = {}
         first: dict[str, _Stall] = {}
         for (topic, p), stall in self._stalls.items():
-            counts[topic] = counts.get(topic, 0) + 1
             # A blip (a batch a little slower than the grace) is not worth a warning.
             if clock - stall.started >= QUIET_SECONDS:
                 by_topic.setdefault(topic, {})[p] = stall.leader
                 if topic not in first or stall.started < first[topic].started:
                     first[topic] = stall
-        for topic in set(counts) | set(self._counted):
-            self._metrics.partitions_unavailable.labels(topic).set(counts.get(topic, 0))
-        self._counted = set(counts)
         for topic in set(by_topic) | set(self._reported):
             sick = by_topic.get(topic, {})
             now = frozenset(sick)

@@ -33,10 +33,8 @@ def health(clock: Clock) -> PartitionHealth:
     return PartitionHealth(RelayMetrics(), clock)
 
 
-def gauge(health: PartitionHealth, topic: str = "orders") -> float | None:
-    return health._metrics.registry.get_sample_value(
-        "outbox_relay_partitions_unavailable", {"topic": topic}
-    )
+def gauge(health: PartitionHealth) -> float | None:
+    return health._metrics.registry.get_sample_value("outbox_relay_partitions_unavailable")
 
 
 async def test_a_stalled_partition_refuses_its_rows_until_its_batch_is_answered(
