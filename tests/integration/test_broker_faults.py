@@ -354,6 +354,21 @@ async def test_a_hung_broker_stalls_only_its_partitions(
     outcome.assert_timely()
 
 
+async def test_a_controlled_shutdown_stalls_nothing_for_long(
+    kafka_cluster: KafkaCluster, engine: Engine, settings: OutboxSettings, tmp_path: Path
+) -> None:
+    # SIGTERM: the broker hands its leaderships over and leaves the in-sync replicas before
+    # it stops (a rolling restart); clients are told "not leader" and move at once.
+    async def stop_and_restart_8s_later(cluster: KafkaCluster, hit: list[int]) -> None:
+        await asyncio.to_thread(cluster.stop, hit[0])
+        await asyncio.sleep(8)
+        await asyncio.to_thread(cluster.start, hit[0])
+
+    outcome = await _run(kafka_cluster, engine, settings, tmp_path, stop_and_restart_8s_later)
+    assert (outcome.lost, outcome.duplicates, outcome.out_of_order) == (0, 0, 0), outcome.report()
+    outcome.assert_timely()
+
+
 async def test_two_brokers_down_below_min_isr_waits_and_delivers_everything(
     kafka_cluster: KafkaCluster, engine: Engine, settings: OutboxSettings, tmp_path: Path
 ) -> None:

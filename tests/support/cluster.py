@@ -223,8 +223,11 @@ def busiest_leader(partitions: dict[int, PartitionInfo]) -> int:
 
 @pytest.fixture(scope="session")
 def kafka_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KafkaCluster]:
-    """A four-node cluster (three controllers), started on first use, stopped at the end."""
-    cluster = KafkaCluster(tmp_path_factory.mktemp("cluster"))
+    """A four-node cluster (three controllers), started on first use, stopped at the end.
+    OUTBOX_TEST_CLUSTER_NODES=3 runs three nodes, where every partition has a replica on
+    every broker (no partition is clear of a sick one)."""
+    nodes = int(os.environ.get("OUTBOX_TEST_CLUSTER_NODES", "4"))
+    cluster = KafkaCluster(tmp_path_factory.mktemp("cluster"), nodes=nodes)
     try:
         cluster.services("cluster-up")
         asyncio.run(cluster.wait_in_sync([]))
