@@ -74,7 +74,7 @@ class Outcome:
     lost: int
     duplicates: int
     out_of_order: int
-    baseline: float  # worst commit -> handler latency before the fault
+    baseline: float  # worst commit -> handler latency of the events handled before the fault
     classes: dict[str, Class]
     coordinator_hit: bool
 
@@ -235,7 +235,7 @@ def _outcome(
         if committed is None:  # the events that warmed the daemons up
             continue
         lag = applied - committed
-        if committed < fault_at:
+        if applied < fault_at:  # handled before the fault: the quiet figure
             baseline = max(baseline, lag)
         partition = _partition_of(key)
         c = classes[kinds[partition]]
@@ -279,6 +279,7 @@ async def _run(
     fault: Fault,
     *,
     sick: int = 1,
+    coordinator_on_sick: bool = True,
     warm: float = 6.0,
     tail: float = 12.0,
 ) -> Outcome:
@@ -296,7 +297,10 @@ async def _run(
     if sick > 1:  # the next busiest leader
         hit.append(busiest_leader({p: i for p, i in partitions.items() if i.leader != hit[0]}))
     kinds = _classify(partitions, set(hit))
-    group = await cluster.group_on(hit[0])
+    if coordinator_on_sick:
+        group = await cluster.group_on(hit[0])
+    else:
+        group = await cluster.group_on(next(b for b in sorted(coordinators) if b not in hit))
     daemons = Daemons(s, topic, table, group or f"c-{uuid.uuid4().hex[:8]}", logs)
     try:
         # Both daemons up and connected before the clock starts.
@@ -312,7 +316,13 @@ async def _run(
         assert daemons.alive(), daemons.logs()
         await _until_applied(engine, table, len(ready) + len(stream.committed), daemons)
         outcome = _outcome(
-            engine, table, stream, kinds, fault_at, watch.recovered, group is not None
+            engine,
+            table,
+            stream,
+            kinds,
+            fault_at,
+            watch.recovered,
+            coordinator_on_sick and group is not None,
         )
     finally:
         daemons.stop()
@@ -349,7 +359,12 @@ async def test_a_hung_broker_stalls_only_its_partitions(
         finally:
             cluster.resume(hit[0])
 
-    outcome = await _run(kafka_cluster, engine, settings, tmp_path, hang_20s)
+    # The group's coordinator elsewhere: a coordinator that hangs and comes back answers
+    # from its stale state for a moment and may make the member rejoin the group (one
+    # rebalance, every partition paused a few seconds): docs/operations/kafka-failures.md.
+    outcome = await _run(
+        kafka_cluster, engine, settings, tmp_path, hang_20s, coordinator_on_sick=False
+    )
     assert (outcome.lost, outcome.duplicates, outcome.out_of_order) == (0, 0, 0), outcome.report()
     outcome.assert_timely()
 
