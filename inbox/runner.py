@@ -35,7 +35,7 @@ from inbox.kafka import KafkaSink, dlq_producer, ensure_topics, start_dlq_produc
 from inbox.metrics import Metrics
 from inbox.processor import PartitionProcessor, process_together
 from inbox.store import InboxStore
-from outbox.daemon import kafka_consumer, start_kafka, with_client_options
+from outbox.daemon import MetadataWatch, kafka_consumer, start_kafka, with_client_options
 from outbox.db import async_engine, unavailable
 from outbox.errors import BrokerUnavailable, DatabaseUnavailable, OutboxError
 from outbox.outages import Dependency
@@ -50,7 +50,7 @@ STATUS_EVERY_SECONDS = 10.0
 # committing: stuck (the database down, a handler hanging), not merely idle. Long enough
 # for a retry's backoff, so a flaky handler does not get the process restarted.
 STALLED_AFTER_SECONDS = 120.0
-KAFKA_CHECK_SECONDS = 5.0
+KAFKA_CHECK_SECONDS = 1.0
 
 
 def _transient(exc: BaseException) -> bool:
@@ -248,16 +248,15 @@ class ConsumerDaemon:
         return not stop.is_set()
 
     async def _watch_kafka(self, kafka: AIOKafkaConsumer) -> None:
-        """Ask for metadata now and then: the fetch loop does not see an outage (aiokafka
-        retries inside ``getmany``), this turns it into one line down, one line up."""
-        client = kafka._client  # aiokafka exposes no public "is the cluster reachable?"
+        """Ask for metadata every second: the fetch loop does not see an outage (aiokafka
+        retries inside ``getmany``), this turns it into one line down, one line up; and it
+        keeps the view of who leads each partition fresh when a broker hangs, so that the
+        partitions Kafka moves away from it are fetched from their new leaders at once."""
+        # aiokafka exposes no public "is the cluster reachable?"
+        watch = MetadataWatch(kafka._client, self.app.topics, KAFKA_CHECK_SECONDS)
         while True:
             await asyncio.sleep(KAFKA_CHECK_SECONDS)
-            try:
-                ok = await asyncio.wait_for(client.force_metadata_update(), KAFKA_CHECK_SECONDS)
-            except (KafkaError, OSError, TimeoutError):
-                ok = False
-            if ok:
+            if await watch.refresh():
                 self.kafka.ok()
             else:
                 self.kafka.failed("metadata request failed")
@@ -331,31 +330,38 @@ class ConsumerDaemon:
     async def _committer(self) -> None:
         """Commit the newest finished offsets, coalesced: the handler path never waits for
         a Kafka round trip, and one request covers every partition that moved in the
-        last ``offset_commit_interval_ms``."""
+        last ``offset_commit_interval_ms``. A failed commit is tried again after a backoff."""
         pause = self.settings.consumer.offset_commit_interval_ms / 1000
+        failures = 0
         while True:
             await self._offsets_ready.wait()
-            await self.flush_offsets()
-            await asyncio.sleep(pause)
+            if await self.flush_offsets():
+                failures = 0
+                await asyncio.sleep(pause)
+            else:
+                failures += 1
+                await asyncio.sleep(max(pause, self._policy.backoff(min(failures, 10))))
 
-    async def flush_offsets(self, only: Sequence[TopicPartition] | None = None) -> None:
+    async def flush_offsets(self, only: Sequence[TopicPartition] | None = None) -> bool:
+        """Commit what is pending (for ``only`` these partitions); False when Kafka did not
+        take it (the offsets stay pending)."""
         self._offsets_ready.clear()
         picked = {
             tp: off for tp, off in self._pending_offsets.items() if only is None or tp in only
         }
         for tp in picked:
             del self._pending_offsets[tp]
-        if picked:
-            await self._commit(picked)
+        return not picked or await self._commit(picked)
 
-    async def _commit(self, offsets: dict[TopicPartition, int]) -> None:
+    async def _commit(self, offsets: dict[TopicPartition, int]) -> bool:
         """One commit request for every partition that moved; per partition only when the
-        group refused it (a partition moved away must not block the others' offsets)."""
+        group refused it (a partition moved away must not block the others' offsets).
+        False when Kafka could not be asked: the offsets are pending again."""
         assert self._kafka is not None
         try:
             await self._kafka.commit(offsets)
             self.kafka.ok()
-            return
+            return True
         except (CommitFailedError, IllegalStateError) as exc:
             if len(offsets) == 1:
                 # The partition moved to another member; it re-reads from the last
@@ -364,14 +370,22 @@ class ConsumerDaemon:
                     "offset commit refused",
                     extra={"partitions": sorted(map(str, offsets)), "error": type(exc).__name__},
                 )
-                return
+                return True
         except KafkaError as exc:
-            # Kafka unreachable: one line per outage (the records are re-read after a
-            # restart at worst, and the inbox skips them).
+            # Kafka unreachable, or the group coordinator moved (its broker died) and is
+            # not found yet: keep the offsets for the next try — a newer offset finished
+            # meanwhile wins — so that a restart re-reads no more than what is uncommitted.
+            # One line per outage.
+            for tp, offset in offsets.items():
+                if self._pending_offsets.get(tp, -1) < offset:
+                    self._pending_offsets[tp] = offset
+            self._offsets_ready.set()
             self.kafka.failed(f"offset commit failed: {type(exc).__name__}")
-            return
+            return False
+        ok = True
         for tp, offset in offsets.items():
-            await self._commit({tp: offset})
+            ok = await self._commit({tp: offset}) and ok
+        return ok
 
     async def release(self, tps: Sequence[TopicPartition]) -> None:
         """Stop the given partitions after their current run, wait, and commit their offsets.

@@ -12,10 +12,12 @@ import asyncio
 import contextlib
 import inspect
 import json
+import random
 import signal
 import ssl
 import threading
-from collections.abc import Callable, Iterable, Iterator, Mapping
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
@@ -31,6 +33,7 @@ from aiokafka.errors import (
     UnsupportedSaslMechanismError,
 )
 from aiokafka.helpers import create_ssl_context
+from aiokafka.protocol.metadata import MetadataRequest
 from prometheus_client import CollectorRegistry, make_wsgi_app
 from pydantic import SecretStr
 
@@ -215,11 +218,73 @@ def kafka_producer(settings: OutboxSettings, **options: Any) -> AIOKafkaProducer
     return producer
 
 
+# A consumer's requests to a broker that hangs (a long GC pause, a stuck disk) wait this
+# long, aiokafka's 40 s default being longer than the group session (10 s): a heartbeat
+# stuck on a hung group coordinator for 40 s gets the member thrown out of the group by
+# the new coordinator, and every partition stops for a rebalance. OUTBOX_KAFKA__OPTIONS
+# (or the app's kafka_options) may set another.
+CONSUMER_REQUEST_TIMEOUT_MS = 10_000
+
+
 def kafka_consumer(settings: OutboxSettings, **options: Any) -> AIOKafkaConsumer:
     """An ``AIOKafkaConsumer`` for ``settings`` (not started); auto-commit is the caller's
     choice to refuse."""
+    if "request_timeout_ms" not in settings.kafka.options:
+        options.setdefault("request_timeout_ms", CONSUMER_REQUEST_TIMEOUT_MS)
     consumer: AIOKafkaConsumer = _build(AIOKafkaConsumer, "consumer", settings, options)
     return consumer
+
+
+class MetadataWatch:
+    """Keeps a Kafka client's view of who leads what fresh when a broker hangs.
+
+    aiokafka's own refresh, and its choice of a broker for a coordinator lookup, take one
+    broker at random and wait a whole request timeout when that one hangs: meanwhile the
+    partitions Kafka moved away from it are still fetched from it, and a consumer whose
+    group coordinator hung may look up the hung one again and be thrown out of the group.
+    :meth:`refresh` asks the brokers one at a time, the one that answered last first, each
+    for at most ``each_seconds``; the client's random choice avoids the brokers that did
+    not answer."""
+
+    def __init__(self, client: Any, topics: Sequence[str], each_seconds: float) -> None:
+        self._client = client
+        self._request = MetadataRequest(list(topics))
+        self._each = each_seconds
+        self._answered: int | None = None
+        self._silent: dict[int, float] = {}  # broker -> when it last failed to answer
+        client.get_random_node = self._pick
+
+    def _quiet(self) -> set[int]:
+        """Brokers that failed to answer in the last SILENT_SECONDS."""
+        since = time.monotonic() - self.SILENT_SECONDS
+        return {n for n, at in self._silent.items() if at > since}
+
+    SILENT_SECONDS = 30.0
+
+    def _pick(self) -> int | None:
+        nodes = [b.nodeId for b in self._client.cluster.brokers()]
+        answering = [n for n in nodes if n not in self._quiet()]
+        return random.choice(answering or nodes) if nodes else None
+
+    async def refresh(self) -> bool:
+        """True when a broker answered (and the client's view was updated)."""
+        quiet = self._quiet()
+        nodes = [b.nodeId for b in self._client.cluster.brokers()]
+        nodes.sort(key=lambda n: (n != self._answered, n in quiet))
+        for node in nodes:
+            try:
+                response = await asyncio.wait_for(
+                    self._client.send(node, self._request), self._each
+                )
+            except (KafkaError, OSError, TimeoutError):
+                self._silent[node] = time.monotonic()
+                continue
+            if response.brokers:
+                self._client.cluster.update_metadata(response)
+                self._answered = int(node)
+                self._silent.pop(node, None)
+                return True
+        return False
 
 
 def kafka_admin(settings: OutboxSettings, **options: Any) -> AIOKafkaAdminClient:

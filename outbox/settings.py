@@ -94,6 +94,22 @@ class RelaySettings(_Section):
         description="Longest wait for Kafka acks before the batch is released and Kafka is "
         "treated as unavailable (no attempts are counted).",
     )
+    partition_grace_seconds: float = Field(
+        0.5,
+        gt=0,
+        description="Once part of a batch is acknowledged, how long the other partitions may "
+        "take before they count as unavailable (a sick broker): their rows go back to the "
+        "outbox, no attempt counted, and wait until Kafka answers for them, while the other "
+        "partitions keep flowing.",
+    )
+    producers: int = Field(
+        16,
+        ge=1,
+        le=256,
+        description="Kafka producers per relay, partitions spread over them. Kafka answers one "
+        "request per connection at a time, when all its partitions are acknowledged: "
+        "partitions sharing a producer also share a partition's wait for a sick broker.",
+    )
     heartbeat_seconds: float = Field(
         1.0, gt=0, description="Lane rebalance and heartbeat period; bounds takeover time."
     )

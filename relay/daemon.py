@@ -47,7 +47,7 @@ class Relay:
         self._store = RelayStore(settings)
         self.cursors = ClaimCursors()
         self.lanes = LaneManager(settings, self._store, self.metrics, self.cursors)
-        self._publisher = Publisher(settings)
+        self._publisher = Publisher(settings, self.metrics)
         self._kafka = KafkaState(RetryPolicy.from_settings(settings.retry), self.metrics)
         self._stopping: asyncio.Event | None = None
         self._tasks: list[asyncio.Task[None]] = []

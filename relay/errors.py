@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from outbox.errors import OutboxError
+from outbox.errors import BrokerUnavailable, OutboxError
 
 
 class RecordRejected(OutboxError):
@@ -23,6 +23,23 @@ class RecordTooLarge(RecordRejected):
             f"record is {size} bytes, over the relay's limit of {limit} bytes "
             "(max_payload_bytes / broker message.max.bytes)"
         )
+
+
+class PartitionUnavailable(BrokerUnavailable):
+    """Kafka does not answer for one partition (its leader, or an in-sync replica it waits
+    for, crashed or hangs): the row goes back to the outbox, no attempt counted, due again
+    after ``delay`` seconds; the other partitions are not held up."""
+
+    # How the row's last_error starts (a relay taking over a lane looks for it).
+    MARKER = "Kafka partition unavailable: "
+
+    def __init__(self, tp: tuple[str, int], delay: float, leader: int | None) -> None:
+        topic, partition = tp
+        where = f", leader {leader}" if leader is not None and leader >= 0 else ""
+        super().__init__(f"{self.MARKER}{topic}[{partition}]{where}")
+        self.tp = tp
+        self.delay = delay
+        self.leader = leader
 
 
 class ProducerBroken(OutboxError):

@@ -129,6 +129,9 @@ class LaneManager:
         self._conn: psycopg.AsyncConnection[tuple[object, ...]] | None = None
         self._backend = 0  # the lock connection's backend pid, from its join
         self._owned: frozenset[int] = frozenset()
+        # Lanes won since their last claim: rows put back by their previous owner for an
+        # unavailable partition are made due before they are claimed (Pipeline._take_over).
+        self._fresh: set[int] = set()
         self._changed = asyncio.Event()
         self._retry = RetryPolicy.from_settings(settings.retry)
 
@@ -136,6 +139,15 @@ class LaneManager:
     def owned(self) -> frozenset[int]:
         """Lanes this relay holds right now (empty while its lock connection is down)."""
         return self._owned
+
+    @property
+    def fresh(self) -> frozenset[int]:
+        """Owned lanes not claimed since this relay won them."""
+        return frozenset(self._fresh)
+
+    def settle(self, lanes: list[int]) -> None:
+        """``lanes`` were taken over (see :attr:`fresh`)."""
+        self._fresh.difference_update(lanes)
 
     @property
     def connected(self) -> bool:
@@ -148,6 +160,7 @@ class LaneManager:
 
     def _set_owned(self, lanes: frozenset[int]) -> None:
         if lanes != self._owned:
+            self._fresh = (self._fresh | (lanes - self._owned)) & lanes
             self._owned = lanes
             self._metrics.owned_lanes.set(len(lanes))
             self._changed.set()

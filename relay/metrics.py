@@ -56,7 +56,18 @@ class RelayMetrics:
             "Age of the oldest pending row, by the database clock.",
             registry=r,
         )
-        self.kafka_up = Gauge("outbox_relay_kafka_up", "1 when Kafka acknowledges.", registry=r)
+        self.kafka_up = Gauge(
+            "outbox_relay_kafka_up",
+            "1 while Kafka acknowledges anything; 0 when the relay can publish nothing.",
+            registry=r,
+        )
+        self.partitions_unavailable = Gauge(
+            "outbox_relay_partitions_unavailable",
+            "Partitions (all topics) whose rows wait in the outbox because Kafka does not "
+            "answer for them (a crashed or hung broker); the others keep flowing. The log "
+            "says which.",
+            registry=r,
+        )
         self.dead_rows = Gauge(
             "outbox_relay_outbox_dead_rows",
             "Dead row versions in the outbox table (pg_stat_user_tables.n_dead_tup).",
@@ -98,4 +109,5 @@ class RelayMetrics:
             "kafka_up": value("outbox_relay_kafka_up"),
             "outbox_dead_rows": value("outbox_relay_outbox_dead_rows"),
             "oldest_snapshot_seconds": round(value("outbox_relay_oldest_snapshot_age_seconds")),
+            "partitions_unavailable": value("outbox_relay_partitions_unavailable"),
         }

@@ -36,7 +36,7 @@ from outbox.resilience.retry import RetryPolicy
 from outbox.settings import OutboxSettings
 from relay import tracing
 from relay.cursor import ClaimCursors
-from relay.errors import ProducerBroken, RecordRejected
+from relay.errors import PartitionUnavailable, ProducerBroken, RecordRejected
 from relay.kafka_state import KafkaState
 from relay.lanes import LaneManager
 from relay.metrics import RelayMetrics
@@ -204,10 +204,10 @@ class Pipeline:
             return True
         delay = self._kafka.backoff()
         if self._publisher.has_outstanding:
-            if not await self._publisher.wait_drained(delay):
-                self._kafka.failed(TimeoutError("earlier batches still unacknowledged"))
+            if not await self._publisher.wait_answered(delay):
+                self._kafka.failed(TimeoutError("earlier batches still unanswered"))
                 return False
-            return True  # Kafka acknowledged the old batches: try a real one
+            return True  # Kafka answered an old batch: try a real one
         await sleep_unless(stopping, delay)
         return True
 
@@ -216,7 +216,6 @@ class Pipeline:
         assert conn is not None
         loop = asyncio.get_running_loop()
         started = loop.time()
-        generation = self._publisher.generation
         outcome: Outcome | None = None
         rows: list[ClaimedRow] = []
         # Where each lane's scan starts (relay/cursor.py); with a horizon known, the probe
@@ -226,9 +225,15 @@ class Pipeline:
         # Pipeline mode: BEGIN travels with the claim and COMMIT with the closing sync, two
         # round trips per batch instead of three. The block is opened and closed by hand
         # because psycopg's transaction() syncs right after BEGIN in a pipeline.
+        fresh = [lane for lane in lanes if lane in self._lanes.fresh]
+        settled: list[int] = []
         try:
             async with conn.pipeline():
                 await conn.execute(b"BEGIN")
+                if fresh:
+                    settled = await self._take_over(conn, fresh)
+                    lanes = [lane for lane in lanes if lane not in fresh or lane in settled]
+                    plan = self._cursors.plan(lanes)
                 cur = conn.cursor(binary=True)
                 # Never a cached generic plan: the outbox swings between empty and huge, and
                 # a plan made for an empty table (a seq scan per lane) would crawl on a
@@ -266,7 +271,7 @@ class Pipeline:
                     rows.sort(key=_by_id)
                     span = tracing.start_send(rows)
                     try:
-                        outcome = await self._publisher.publish(rows)
+                        outcome = await self._publisher.publish(rows, started)
                     finally:
                         tracing.end_send(span, outcome)
                     if len(outcome.acked) < len(rows):
@@ -276,6 +281,8 @@ class Pipeline:
             await self._abort(conn)
             if not isinstance(exc, psycopg.Rollback):
                 raise
+            settled = []  # undone with the rest: taken over again by the next claim
+        self._lanes.settle(settled)
         # Committed, or rolled back on purpose: what the probe saw holds either way.
         acked = set(outcome.acked) if outcome is not None else set()
         self._cursors.settle(
@@ -285,8 +292,22 @@ class Pipeline:
         )
         if not rows:
             return 0
-        await self._after(rows, outcome, generation, started, loop.time())
+        self._after(rows, outcome, started, loop.time())
         return len(rows)
+
+    async def _take_over(
+        self, conn: psycopg.AsyncConnection[tuple[Any, ...]], lanes: list[int]
+    ) -> list[int]:
+        """Lanes this relay just took over: rows their previous owner put back for an
+        unavailable partition become due now, before the first claim, so that the claim
+        cannot pass over them and send a later row of their key first (this relay knows
+        nothing of the old owner's holds). Under the claim fence, so an old owner's batch
+        still in flight finishes first; returns the lanes done (the others wait for it)."""
+        cur = await conn.execute(
+            self._store.release_delays,
+            {"lanes": lanes, "marker": PartitionUnavailable.MARKER + "%"},
+        )
+        return [int(row[0]) for row in await cur.fetchall()]
 
     async def _abort(self, conn: psycopg.AsyncConnection[tuple[Any, ...]]) -> None:
         """End a failed batch's transaction; what it claimed is pending again."""
@@ -306,8 +327,10 @@ class Pipeline:
         """Put back what Kafka did not acknowledge; runs inside the claiming transaction."""
         rejected = {i for i, exc in outcome.failed.items() if isinstance(exc, RecordRejected)}
         missing = {i for i, exc in outcome.failed.items() if isinstance(exc, TopicMissing)}
-        if not outcome.acked and not rejected and not missing:
-            raise psycopg.Rollback()  # nothing to keep: cheapest is to undo the claim
+        if outcome.transient is not None and not outcome.acked and not rejected and not missing:
+            # Kafka down as a whole: nothing to keep, nothing to delay (the pipelines back
+            # off together); cheapest is to undo the claim.
+            raise psycopg.Rollback()
         back: list[tuple[ClaimedRow, int, str, float]] = []
         dead: list[tuple[ClaimedRow, int, str]] = []
         for i, exc in outcome.failed.items():
@@ -318,6 +341,11 @@ class Pipeline:
                 # for again (the publisher logs once per topic).
                 self._publisher.forget_topic(row[TOPIC])
                 back.append((row, row[ATTEMPTS], str(exc), MISSING_TOPIC_RECHECK_SECONDS))
+            elif isinstance(exc, PartitionUnavailable):
+                # A sick broker: no attempt counted; due again once the delay (which keeps
+                # claims from re-reading these rows in a loop) has passed. The publisher
+                # sends no later row of the partition before that (see relay.partitions).
+                back.append((row, row[ATTEMPTS], str(exc), exc.delay))
             elif i in rejected:
                 attempts = row[ATTEMPTS] + 1
                 if attempts >= self._row_retry.max_attempts:
@@ -347,13 +375,8 @@ class Pipeline:
                 )
             self._metrics.failed.inc(len(dead))
 
-    async def _after(
-        self,
-        rows: list[ClaimedRow],
-        outcome: Outcome | None,
-        generation: int,
-        started: float,
-        ended: float,
+    def _after(
+        self, rows: list[ClaimedRow], outcome: Outcome | None, started: float, ended: float
     ) -> None:
         """Metrics and Kafka state once the batch's transaction is over."""
         if outcome is None:
@@ -364,11 +387,21 @@ class Pipeline:
         m.published.inc(len(outcome.acked))
         for exc in outcome.failed.values():
             m.errors.labels(type(exc).__name__).inc()
-        transient = outcome.transient
-        if transient is None:
-            if outcome.acked:
-                self._kafka.ok()
+        if outcome.acked:
+            self._kafka.ok()
             return
-        self._kafka.failed(transient)
+        # Kafka is down when it answers nothing: this batch failed as a whole, or its
+        # partitions are unavailable and no partition at all was acknowledged for a whole
+        # ack timeout. Some sick partitions are the publisher's business (logged and
+        # counted per partition).
+        transient = outcome.transient
         if isinstance(transient, ProducerBroken):
-            await self._publisher.reset(generation)
+            transient = None  # the publisher replaced that producer; its rows go again
+        quiet = ended - self._publisher.last_ack >= self._settings.relay.ack_timeout_seconds
+        if transient is None and quiet:
+            unavailable = [
+                e for e in outcome.failed.values() if isinstance(e, PartitionUnavailable)
+            ]
+            transient = unavailable[0] if unavailable else None
+        if transient is not None:
+            self._kafka.failed(transient)

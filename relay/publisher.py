@@ -1,17 +1,27 @@
 """Sending claimed rows to Kafka and reporting, per row, what Kafka made of them.
 
-One long-lived ``AIOKafkaProducer`` with ``acks="all"`` and idempotence. Rows are packed
-into record batches per (topic, partition) with ``create_batch``/``send_batch``: one
-future per batch instead of one per record, and no per-record trip through the
-accumulator (several times faster than ``send()`` per record).
+Idempotent ``AIOKafkaProducer``s with ``acks="all"``. Rows are packed into record batches
+per (topic, partition) with ``create_batch``/``send_batch``: one future per batch instead of
+one per record, and no per-record trip through the accumulator (several times faster than
+``send()`` per record).
 
 Why per-key order survives retries: aiokafka keeps at most one produce request in flight
 per broker and mutes a partition while its batch is in flight, and with idempotence a
 retriable failure is retried in place (batches never expire), so a retry can never
 overtake a later batch of the same partition. A batch the broker rejects for good leaves
 a sequence gap, so the later batches of that partition fail too (OutOfOrderSequence);
-those are reported as :class:`ProducerBroken` and the producer is recreated, which again
+those are reported as :class:`ProducerBroken` and that producer is replaced, which again
 re-sends them in order.
+
+One sick broker. Kafka answers a produce request once every partition in it is
+acknowledged, and one connection serves one request at a time; a single producer would tie
+every partition a broker leads to the slowest of them (with ``acks=all``, to any partition
+waiting for a dead in-sync replica). So partitions are spread over up to
+``relay.producers`` producers (each its own connections), a batch is sent per partition and
+waited for per partition: once part of a publish is acknowledged, a partition still
+unanswered ``relay.partition_grace_seconds`` later is stalled and its rows go back to the
+outbox (see :mod:`relay.partitions`), while the others' rows are acknowledged and
+committed. A broken producer is replaced alone; the partitions of the others never notice.
 
 Partitions are chosen like Kafka's default partitioner (murmur2 of the key), so keyed
 records land where any Kafka client would put them; keyless records stick to one random
@@ -21,22 +31,26 @@ partition per batch (they carry no order promise).
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import json
 import logging
 import random
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from aiokafka import AIOKafkaProducer
+from aiokafka import AIOKafkaProducer, TopicPartition
 from aiokafka import errors as kerr
 from aiokafka.partitioner import murmur2
 
-from outbox.daemon import kafka_producer, kafka_refusal, start_kafka
+from outbox.daemon import kafka_admin, kafka_producer, kafka_refusal, start_kafka
 from outbox.errors import BrokerUnavailable, ConfigurationError, TopicMissing
 from outbox.settings import OutboxSettings
-from relay.errors import ProducerBroken, RecordRejected, RecordTooLarge
+from relay.errors import PartitionUnavailable, ProducerBroken, RecordRejected, RecordTooLarge
 from relay.inflight import ByteBudget
+from relay.metrics import RelayMetrics
+from relay.partitions import PartitionHealth
 from relay.store import (
     CE_ID,
     CE_TIME,
@@ -73,11 +87,18 @@ _BROKEN = (
     kerr.ProducerClosed,
 )
 _SPEC = b"1.0"
+# While partitions are stalled, how often their leaders are looked up, and how long one
+# broker may take to answer (see Publisher._watch_leaders).
+LEADER_PROBE_SECONDS = 0.5
+_ACK_SMOOTHING = 0.1
+LEADER_PROBE_TIMEOUT_MS = 1500
 _KEY_CACHE_LIMIT = 100_000
 
 
 def classify(exc: BaseException) -> Exception:
     """Map an aiokafka failure to the framework's tree: row-level rejection or transient."""
+    if isinstance(exc, asyncio.CancelledError):
+        return BrokerUnavailable("send cancelled")
     if isinstance(
         exc, RecordRejected | TopicMissing | ProducerBroken | BrokerUnavailable | ConfigurationError
     ):
@@ -98,44 +119,91 @@ class Outcome:
     """What happened to each row of one publish call (indexes into the rows given)."""
 
     acked: list[int] = field(default_factory=list)
-    # index -> error; RecordRejected counts an attempt, TopicMissing delays the row without
-    # one, anything else (broker down) neither.
+    # index -> error; RecordRejected counts an attempt, TopicMissing and PartitionUnavailable
+    # delay the row without one, anything else (Kafka down) neither.
     failed: dict[int, Exception] = field(default_factory=dict)
 
     @property
     def transient(self) -> Exception | None:
-        """The first failure that is not the row's fault (broker down, producer broken)."""
+        """The first failure that concerns Kafka as a whole (unreachable, producer broken);
+        rejected rows, missing topics and unavailable partitions concern only themselves."""
         for exc in self.failed.values():
-            if not isinstance(exc, RecordRejected | TopicMissing):
+            if not isinstance(exc, RecordRejected | TopicMissing | PartitionUnavailable):
                 return exc
         return None
 
 
+# One partition's share of a publish: its record batches and the row indexes in each.
+_Batches = list[tuple[Any, list[int]]]
+# What a delivery task returns: the producer used and, per batch, None (acked) or the error.
+_Delivered = tuple[AIOKafkaProducer | None, list[BaseException | None]]
+
+
 class Publisher:
-    """Owns the producer; ``publish(rows)`` returns an :class:`Outcome`, never raises for
+    """Owns the producers; ``publish(rows)`` returns an :class:`Outcome`, never raises for
     Kafka trouble (that is reported per row)."""
 
-    def __init__(self, settings: OutboxSettings) -> None:
+    def __init__(self, settings: OutboxSettings, metrics: RelayMetrics | None = None) -> None:
         self._settings = settings
-        self._producer: AIOKafkaProducer | None = None
+        self._metrics = metrics or RelayMetrics()
+        # Producer i serves the partitions mapped to it (any one answers metadata questions
+        # and builds batches); started on first use.
+        self._producers: list[AIOKafkaProducer | None] = [None] * settings.relay.producers
+        self._starting: dict[int, asyncio.Task[AIOKafkaProducer]] = {}
+        self._producer_of: dict[tuple[str, int], int] = {}
         self._partitions: dict[str, list[int]] = {}
         self._key_partition: dict[str, dict[bytes, int]] = {}
-        # Batches whose acks timed out: still queued inside the producer. They double as
-        # the probe for "is Kafka back?" (see wait_drained).
-        self._outstanding: set[asyncio.Future[Any]] = set()
+        self.health = PartitionHealth(self._metrics)
+        # Deliveries of stalled partitions, and the producer each went through.
+        self._stuck: dict[asyncio.Future[Any], AIOKafkaProducer | None] = {}
+        self._closing: set[asyncio.Task[None]] = set()  # replaced producers, flushing
+        self._watcher: asyncio.Task[None] | None = None  # leaders of stalled partitions
+        self._live: set[int] = set()  # brokers Kafka listed last (not fenced)
         self._lock = asyncio.Lock()
         self._missing: set[str] = set()  # topics known to be missing (logged once each)
         self._inflight = ByteBudget(settings.relay.max_inflight_bytes)
-        # Bumped on every (re)start, so that two pipelines seeing the same broken producer
-        # reset it once, not twice.
-        self.generation = 0
+        self.last_ack = -1e9  # loop time of the last acknowledgement, any partition
+        self._ack_seconds = 0.05  # smoothed send -> acknowledgement time
 
     # -- lifecycle ----------------------------------------------------------------------------
-    async def start(self) -> None:
-        """Create and connect the producer; raises BrokerUnavailable when Kafka is down."""
+    def _bootstrap(self) -> str:
+        """Where a new client should connect first: the brokers a running producer knows,
+        the leaders of stalled partitions last, then the configured list. aiokafka tries
+        them in order, and a hung broker holds a start for a whole request timeout."""
+        sick = self._sick()
+        known: list[tuple[bool, str]] = []
+        running = self._running()
+        if running is not None:
+            known = [
+                (b.nodeId in sick, f"{b.host}:{b.port}") for b in running.client.cluster.brokers()
+            ]
+        configured = [a.strip() for a in self._settings.kafka_bootstrap_servers.split(",")]
+        return ",".join(dict.fromkeys([a for _, a in sorted(known)] + configured))
+
+    def _running(self) -> AIOKafkaProducer | None:
+        return next((p for p in self._producers if p is not None), None)
+
+    def _sick(self) -> set[int]:
+        """Brokers to keep away from: leaders of stalled partitions, and brokers missing
+        from the live ones the leader watch saw last (Kafka fenced them)."""
+        sick = {leader for leader in self.health.leaders().values() if leader is not None}
+        running = self._running()
+        if running is not None and self._live:
+            sick |= {b.nodeId for b in running.client.cluster.brokers()} - self._live
+        return sick
+
+    def _pick_node(self, client: Any) -> int | None:
+        """aiokafka asks a broker chosen at random for a new producer's id: one that hangs
+        holds the start for a whole request timeout. Prefer the others."""
+        nodes = [b.nodeId for b in client.cluster.brokers()]
+        healthy = [n for n in nodes if n not in self._sick()]
+        return random.choice(healthy or nodes) if nodes else None
+
+    def _new_producer(self) -> AIOKafkaProducer:
         r = self._settings.relay
         producer = kafka_producer(
             self._settings,
+            bootstrap_servers=self._bootstrap(),
             client_id="outbox-relay",
             acks="all",
             enable_idempotence=True,
@@ -147,60 +215,120 @@ class Publisher:
             request_timeout_ms=int(r.ack_timeout_seconds * 1000),
             retry_backoff_ms=200,
         )
+        producer.client.get_random_node = functools.partial(self._pick_node, producer.client)
+        return producer
+
+    async def _start(self, index: int) -> AIOKafkaProducer:
+        """Producer ``index``, started if it is not (one start at a time per index);
+        raises the classified error when Kafka cannot be reached."""
+        producer = self._producers[index]
+        if producer is not None:
+            return producer
+        task = self._starting.get(index)
+        if task is None:
+            task = self._starting[index] = asyncio.ensure_future(self._connect())
+            task.add_done_callback(lambda _: self._starting.pop(index, None))
+        producer = await asyncio.shield(task)
+        if self._producers[index] is None:
+            self._producers[index] = producer
+        return producer
+
+    async def _connect(self) -> AIOKafkaProducer:
+        producer = self._new_producer()
         try:
             await start_kafka(producer, self._settings)
         except Exception as exc:
-            await self._close(producer)
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(producer.stop(), 2.0)
             raise classify(exc) from exc
-        self._producer = producer
+        return producer
 
     @property
     def started(self) -> bool:
-        return self._producer is not None
+        return self._running() is not None
 
     async def ensure_started(self) -> None:
-        """Start the producer unless another pipeline already did."""
+        """Start a first producer unless some producer runs."""
         async with self._lock:
-            if self._producer is None:
-                await self.start()
-                self.generation += 1
+            if not self.started:
+                await self._start(0)
 
-    async def reset(self, generation: int) -> None:
-        """Recreate a broken producer (a new producer id restarts the sequence numbers)."""
-        async with self._lock:
-            if generation == self.generation and self._producer is not None:
-                await self.stop(within=1.0)
+    def _replace(self, producer: AIOKafkaProducer) -> None:
+        """Retire a broken producer (a new producer id restarts the sequence numbers); the
+        next batch of its partitions starts a new one. Only its partitions notice."""
+        if producer not in self._producers:
+            return  # replaced already (several of its partitions said so)
+        for i, current in enumerate(self._producers):
+            if current is producer:
+                self._producers[i] = None
+        self.health.forget([d for d, p in self._stuck.items() if p is producer])
+        self._stuck = {d: p for d, p in self._stuck.items() if p is not producer}
+        # Its queued batches may still be acknowledged (copies of rows that are back in the
+        # outbox: duplicates, never reordered); let it flush in the background.
+        flush = self._settings.relay.ack_timeout_seconds
+        task = asyncio.ensure_future(self._close(producer, flush))
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
 
     async def stop(self, within: float) -> None:
-        producer, self._producer = self._producer, None
+        producers = [p for p in self._producers if p is not None]
+        self._producers = [None] * len(self._producers)
         self._partitions.clear()
-        self._outstanding.clear()
-        # Whatever the old producer still holds is dropped with it.
+        self._stuck.clear()
+        # Whatever the old producers still hold is dropped with them.
         self._inflight = ByteBudget(self._settings.relay.max_inflight_bytes)
-        if producer is not None:
-            await self._close(producer, within)
+        for task in [*self._closing, *self._starting.values()]:
+            task.cancel()
+        if self._watcher is not None:
+            self._watcher.cancel()
+        await asyncio.gather(*(self._close(p, within) for p in producers))
 
-    @staticmethod
-    async def _close(producer: AIOKafkaProducer, within: float = 2.0) -> None:
-        # stop() flushes; with Kafka down that would wait forever. Rows not acked are still
-        # in the database, so abandoning queued batches loses nothing.
+    async def _close(self, producer: AIOKafkaProducer, within: float = 2.0) -> None:
+        # stop() flushes, and a batch waiting on a dead or hung broker never finishes. Rows
+        # not acked are still in the database, so failing what is still queued loses
+        # nothing; then the producer closes its sender and connections instead of retrying
+        # forever. (aiokafka has no public "close without flushing".)
+        stopping = asyncio.ensure_future(producer.stop())
         try:
-            await asyncio.wait_for(producer.stop(), within)
-        except (TimeoutError, Exception) as exc:
-            log.debug("producer stop did not finish cleanly: %s", type(exc).__name__)
+            await asyncio.wait({stopping}, timeout=within)
+            if not stopping.done():
+                _abandon_queued(producer)
+                # The sender waits for its requests in flight (at most the request timeout).
+                await asyncio.wait({stopping}, timeout=self._settings.relay.ack_timeout_seconds)
+            if stopping.done() and not stopping.cancelled() and stopping.exception():
+                log.debug("producer stop failed: %r", stopping.exception())
+        finally:
+            if not stopping.done():
+                stopping.cancel()
 
     @property
     def has_outstanding(self) -> bool:
-        return any(not f.done() for f in self._outstanding)
+        return bool(self.health.waiting)
 
-    async def wait_drained(self, within: float) -> bool:
-        """True when no earlier timed-out batch is still waiting for Kafka."""
-        self._outstanding = {f for f in self._outstanding if not f.done()}
-        if not self._outstanding:
+    async def wait_answered(self, within: float) -> bool:
+        """True when some batch of a stalled partition was answered within ``within``: the
+        probe for "is Kafka back?" after an outage."""
+        waiting = self.health.waiting
+        if not waiting:
             return True
-        await asyncio.wait(self._outstanding, timeout=within)
-        self._outstanding = {f for f in self._outstanding if not f.done()}
-        return not self._outstanding
+        done, _ = await asyncio.wait(waiting, timeout=within, return_when=asyncio.FIRST_COMPLETED)
+        return bool(done)
+
+    def _collect(self) -> None:
+        """End the stalls whose batches Kafka has answered; replace a producer whose late
+        answer says it is broken."""
+        broken: list[AIOKafkaProducer] = []
+        for delivery in self.health.answered():
+            producer = self._stuck.pop(delivery, None)
+            if delivery.cancelled() or producer is None:
+                continue
+            _, results = delivery.result()
+            if any(isinstance(classify(r), ProducerBroken) for r in results if r is not None):
+                broken.append(producer)
+            elif any(r is None for r in results):
+                self.last_ack = asyncio.get_running_loop().time()
+        for producer in broken:
+            self._replace(producer)
 
     # -- metadata -------------------------------------------------------------------------------
     async def _partitions_for(self, producer: AIOKafkaProducer, topic: str) -> list[int]:
@@ -237,9 +365,10 @@ class Publisher:
 
     async def has_topic(self, topic: str) -> bool:
         """Whether Kafka knows ``topic`` (asks the broker; the producer must be started)."""
-        assert self._producer is not None
+        producer = self._running()
+        assert producer is not None
         try:
-            await self._partitions_for(self._producer, topic)
+            await self._partitions_for(producer, topic)
         except TopicMissing:
             return False
         return True
@@ -258,15 +387,21 @@ class Publisher:
         self._partitions.pop(topic, None)
         self._key_partition.pop(topic, None)
 
-    # -- publishing -------------------------------------------------------------------------------
-    async def publish(self, rows: Sequence[ClaimedRow]) -> Outcome:
-        """Send ``rows`` (per lane in id order) and wait for their acks."""
-        outcome = Outcome()
-        producer = self._producer
+    def _leader(self, tp: tuple[str, int]) -> int | None:
+        producer = self._producers[self._producer_of.get(tp, 0)] or self._running()
         if producer is None:
-            down: Exception = BrokerUnavailable("Kafka producer not connected")
-            outcome.failed = dict.fromkeys(range(len(rows)), down)
-            return outcome
+            return None
+        leader = producer.client.cluster.leader_for_partition(TopicPartition(*tp))
+        return None if leader is None else int(leader)
+
+    # -- publishing -------------------------------------------------------------------------------
+    async def publish(self, rows: Sequence[ClaimedRow], claimed_at: float | None = None) -> Outcome:
+        """Send ``rows`` (per lane in id order) and wait for their acks. ``claimed_at``: the
+        loop time before the claim began (rows of partitions held back since then wait)."""
+        outcome = Outcome()
+        loop = asyncio.get_running_loop()
+        claimed_at = loop.time() if claimed_at is None else claimed_at
+        self._collect()
         timeout = self._settings.relay.ack_timeout_seconds
         budget = self._inflight
         taken = await budget.acquire(sum(map(payload_bytes, rows)), timeout)
@@ -276,52 +411,172 @@ class Publisher:
             )
             outcome.failed = dict.fromkeys(range(len(rows)), busy)
             return outcome
-        sent: list[tuple[asyncio.Future[Any], list[int]]] = []
         try:
-            await asyncio.wait_for(self._send(producer, rows, outcome, sent), timeout)
-        except Exception as exc:  # reported per row below
+            plan = await asyncio.wait_for(self._plan(rows, outcome, claimed_at), timeout)
+        except Exception as exc:  # no producer, or metadata trouble: nothing was sent
+            budget.release(taken)
             failure = classify(exc)
-            queued = {i for _, idx in sent for i in idx}
             for i in range(len(rows)):
-                if i not in queued and i not in outcome.failed:
-                    outcome.failed[i] = failure
-        finally:
-            # The bytes stay taken while Kafka holds the batches, outstanding ones included.
-            budget.release_when_done([f for f, _ in sent], taken)
-        if sent:
-            futures = [f for f, _ in sent]
-            await asyncio.wait(futures, timeout=timeout)
-        for fut, idx in sent:
-            if not fut.done():
-                self._outstanding.add(fut)
-                late = BrokerUnavailable("Kafka did not acknowledge in time")
-                outcome.failed.update(dict.fromkeys(idx, late))
-            elif fut.cancelled():
-                outcome.failed.update(dict.fromkeys(idx, BrokerUnavailable("send cancelled")))
-            elif (error := fut.exception()) is not None:
-                outcome.failed.update(dict.fromkeys(idx, classify(error)))
-            else:
-                outcome.acked.extend(idx)
+                outcome.failed.setdefault(i, failure)
+            return outcome
+        deliveries = {tp: asyncio.ensure_future(self._deliver(tp, b)) for tp, b in plan.items()}
+        # The bytes stay taken while Kafka holds the batches, stalled partitions' included.
+        budget.release_when_done(list(deliveries.values()), taken)
+        await self._wait(deliveries.values())
+        for tp, delivery in deliveries.items():
+            if not delivery.done():
+                producer = self._producers[self._producer_of[tp]]
+                unavailable = self.health.stalled(tp, delivery, self._leader(tp))
+                if producer is None:  # replaced meanwhile: no answer will come
+                    self.health.forget([delivery])
+                else:
+                    self._stuck[delivery] = producer
+                for _, idx in plan[tp]:
+                    outcome.failed.update(dict.fromkeys(idx, unavailable))
+                continue
+            producer, results = _result(delivery, len(plan[tp]))
+            for (_, idx), error in zip(plan[tp], results, strict=True):
+                if error is None:
+                    outcome.acked.extend(idx)
+                    continue
+                failure = classify(error)
+                outcome.failed.update(dict.fromkeys(idx, failure))
+                if isinstance(failure, ProducerBroken) and producer is not None:
+                    self._replace(producer)
+        if outcome.acked:
+            self.last_ack = loop.time()
+        self.health.report(self._partitions)
+        if self.health.unavailable and (self._watcher is None or self._watcher.done()):
+            self._watcher = asyncio.ensure_future(self._watch_leaders())
         return outcome
 
-    async def _send(
-        self,
-        producer: AIOKafkaProducer,
-        rows: Sequence[ClaimedRow],
-        outcome: Outcome,
-        sent: list[tuple[asyncio.Future[Any], list[int]]],
-    ) -> None:
+    async def _watch_leaders(self) -> None:
+        """While partitions are stalled, ask Kafka how they stand (a client of its own,
+        short timeouts: the broker it happens to ask may be the hung one). aiokafka keeps a
+        batch sent to a broker that hangs in flight there for a whole request timeout, and
+        its retry may wait as long again for a metadata refresh stuck on that broker —
+        even after Kafka moved the partition's leadership, or took the hung broker out of
+        its in-sync replicas. So once Kafka has acted on a stalled partition (its leader or
+        in-sync replicas changed) and the batch still waits, the partition's producer is
+        replaced: a new one, bootstrapped from brokers that answer, sends its rows at once.
+        (The old batch cannot be committed by a broker that no longer leads, and a copy
+        that lands later is a duplicate, never reordered: see relay.partitions.)"""
+        loop = asyncio.get_running_loop()
+        admin = kafka_admin(
+            self._settings,
+            bootstrap_servers=self._bootstrap(),
+            request_timeout_ms=LEADER_PROBE_TIMEOUT_MS,
+        )
+        seen: dict[tuple[str, int], tuple[int, ...]] = {}  # in-sync replicas first seen
+        acted: dict[tuple[str, int], float] = {}  # when Kafka was first seen to have acted
+        try:
+            await start_kafka(admin, self._settings)
+            while self.health.unavailable:
+                await asyncio.sleep(LEADER_PROBE_SECONDS)
+                stalled = self.health.leaders()
+                try:
+                    # One metadata request: the topics, and the brokers Kafka lists (not
+                    # fenced). describe_topics would drop the brokers, describe_cluster
+                    # would ask for every topic of the cluster.
+                    answer = await asyncio.wait_for(
+                        admin._get_cluster_metadata(topics=sorted({t for t, _ in stalled})),
+                        LEADER_PROBE_TIMEOUT_MS / 1000 * 2,
+                    )
+                except Exception:  # asked the sick broker, probably: ask again
+                    continue
+                metadata = answer.to_object()
+                described = metadata["topics"]
+                self._live = {int(b["node_id"]) for b in metadata["brokers"]}
+                now = loop.time()
+                for topic in described:
+                    for p in topic["partitions"]:
+                        tp = (topic["topic"], p["partition"])
+                        if tp not in stalled or p["leader"] < 0:
+                            continue
+                        isr = tuple(sorted(p["isr"]))
+                        moved = p["leader"] != stalled[tp]
+                        if not moved and seen.setdefault(tp, isr) == isr:
+                            continue
+                        # A new leader: the batch waits on the old one. In-sync replicas
+                        # changed: the batch should be answered now; give it a moment.
+                        if moved or now - acted.setdefault(tp, now) >= LEADER_PROBE_SECONDS:
+                            producer = self._producers[self._producer_of.get(tp, 0)]
+                            if producer is not None:
+                                self._replace(producer)
+                seen = {tp: v for tp, v in seen.items() if tp in stalled}
+                acted = {tp: v for tp, v in acted.items() if tp in self.health.leaders()}
+        except Exception as exc:  # the next stall starts another watch
+            log.debug("leader watch stopped: %r", exc)
+        finally:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(admin.close(), 2.0)
+
+    async def _wait(self, deliveries: Iterable[asyncio.Future[_Delivered]]) -> None:
+        """Until every delivery is answered, or a partition's answer is overdue: once Kafka
+        acknowledges anything (in this publish, or in any within the ack timeout), the
+        others get a grace — ``relay.partition_grace_seconds``, or three times the usual
+        acknowledgement time when that is longer (on a loaded host acknowledgements drift
+        apart, and calling a merely slow partition unavailable costs duplicates). While
+        Kafka acknowledges nothing at all, the wait lasts up to the ack timeout."""
+        r = self._settings.relay
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        grace = max(r.partition_grace_seconds, 3 * self._ack_seconds)
+        responsive = start - self.last_ack < r.ack_timeout_seconds
+        deadline = start + (grace if responsive else r.ack_timeout_seconds)
+        pending = set(deliveries)
+        while pending:
+            left = deadline - loop.time()
+            if left <= 0:
+                return
+            done, pending = await asyncio.wait(
+                pending, timeout=left, return_when=asyncio.FIRST_COMPLETED
+            )
+            acked = [d for d in done if _acked(d)]
+            if acked:
+                now = loop.time()
+                for _ in acked:
+                    self._ack_seconds += (now - start - self._ack_seconds) * _ACK_SMOOTHING
+                deadline = min(deadline, now + grace)
+
+    async def _deliver(self, tp: tuple[str, int], batches: _Batches) -> _Delivered:
+        """Queue ``tp``'s batches in order on its producer and wait for each answer."""
+        try:
+            producer = await self._start(self._producer_of[tp])
+        except Exception as exc:
+            return None, [exc] * len(batches)
+        futures: list[asyncio.Future[Any]] = []
+        refused: BaseException | None = None
+        for builder, _ in batches:
+            try:
+                futures.append(await producer.send_batch(builder, tp[0], partition=tp[1]))
+            except Exception as exc:
+                # Not queued: no later batch of this partition may overtake it.
+                refused = exc
+                break
+        results: list[BaseException | None] = []
+        for future in futures:
+            try:
+                await future
+                results.append(None)
+            except Exception as exc:
+                results.append(exc)
+        results.extend([refused] * (len(batches) - len(results)))
+        return producer, results
+
+    async def _plan(
+        self, rows: Sequence[ClaimedRow], outcome: Outcome, claimed_at: float
+    ) -> dict[tuple[str, int], _Batches]:
+        """Pack the rows into record batches per partition (in row order); rows that cannot
+        go now (too large, topic missing, partition held back) are reported in ``outcome``."""
+        # Any running producer answers metadata and builds batches (the same for all).
+        producer = self._running() or await self._start(0)
         limit = self._settings.max_payload_bytes
-        # (topic, partition) -> (builder, row indexes); insertion order = first appearance.
-        open_batches: dict[tuple[str, int], tuple[Any, list[int]]] = {}
+        plan: dict[tuple[str, int], _Batches] = {}
+        refused: dict[tuple[str, int], PartitionUnavailable | None] = {}
         parts_of: dict[str, list[int] | Exception] = {}
         sticky: dict[str, int] = {}
-
-        async def flush(tp: tuple[str, int]) -> None:
-            builder, idx = open_batches.pop(tp)
-            fut = await producer.send_batch(builder, tp[0], partition=tp[1])
-            sent.append((fut, idx))
-
+        producers = len(self._producers)
         for i, row in enumerate(rows):
             topic = row[TOPIC]
             parts = parts_of.get(topic)
@@ -335,6 +590,17 @@ class Publisher:
                 outcome.failed[i] = parts
                 continue
             key: bytes | None = row[KEY]
+            if key is None:
+                partition = sticky.setdefault(topic, random.choice(parts))
+            else:
+                partition = self._partition(topic, parts, key)
+            tp = (topic, partition)
+            if tp not in refused:
+                refused[tp] = self.health.refusal(tp, claimed_at)
+            unavailable = refused[tp]
+            if unavailable is not None:
+                outcome.failed[i] = unavailable
+                continue
             payload: bytes | None = row[PAYLOAD]  # None: a tombstone
             headers = [
                 ("ce_id", row[CE_ID].encode()),
@@ -352,19 +618,43 @@ class Publisher:
             if size > limit:
                 outcome.failed[i] = RecordTooLarge(size, limit)
                 continue
-            if key is None:
-                partition = sticky.setdefault(topic, random.choice(parts))
-            else:
-                partition = self._partition(topic, parts, key)
-            tp = (topic, partition)
-            current = open_batches.get(tp)
-            if current is None:
-                current = open_batches[tp] = (producer.create_batch(), [])
-            if current[0].append(key=key, value=payload, timestamp=None, headers=headers) is None:
-                await flush(tp)
-                current = open_batches[tp] = (producer.create_batch(), [])
+            batches = plan.get(tp)
+            if batches is None:
+                if tp not in self._producer_of:
+                    self._producer_of[tp] = len(self._producer_of) % producers
+                batches = plan[tp] = [(producer.create_batch(), [])]
+            builder, idx = batches[-1]
+            if builder.append(key=key, value=payload, timestamp=None, headers=headers) is None:
+                builder, idx = producer.create_batch(), []
+                batches.append((builder, idx))
                 # A fresh batch always takes its first record, however large.
-                current[0].append(key=key, value=payload, timestamp=None, headers=headers)
-            current[1].append(i)
-        for tp in list(open_batches):
-            await flush(tp)
+                builder.append(key=key, value=payload, timestamp=None, headers=headers)
+            idx.append(i)
+        return plan
+
+
+def _abandon_queued(producer: AIOKafkaProducer) -> None:
+    """Fail every batch still queued in ``producer`` (aiokafka has no public way; its
+    accumulator's ``fail_all`` is what a dying sender uses). A batch that was retried went
+    back to the queue without its "in flight" mark, which the callback clearing that mark
+    expects to find: put it back first, or that callback raises in the event loop."""
+    queue = producer._message_accumulator
+    for batches in queue._batches.values():
+        queue._pending_batches.update(b for b in batches if b.retry_count)
+    queue.fail_all(kerr.ProducerClosed())
+
+
+def _acked(delivery: asyncio.Future[_Delivered]) -> bool:
+    if delivery.cancelled() or delivery.exception() is not None:
+        return False
+    return any(r is None for r in delivery.result()[1])
+
+
+def _result(delivery: asyncio.Future[_Delivered], batches: int) -> _Delivered:
+    """A finished delivery's answer; a delivery that died says why for every batch."""
+    if delivery.cancelled():
+        return None, [asyncio.CancelledError()] * batches
+    error = delivery.exception()
+    if error is not None:
+        return None, [error] * batches
+    return delivery.result()

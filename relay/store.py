@@ -253,6 +253,23 @@ class RelayStore:
         ).format()
 
     @cached_property
+    def release_delays(self) -> sql.Composed:
+        """Lanes just taken over: rows put back with a delay for an unavailable partition
+        (``last_error`` LIKE %(marker)s) become due now. Params: lanes, marker. Takes the
+        claim fence of each lane it can (an old owner's transaction may still hold one) and
+        returns those lanes; the claim that follows in the same transaction keeps them."""
+        return sql.SQL(
+            "WITH fenced AS MATERIALIZED ("
+            " SELECT u.lane FROM unnest(%(lanes)s::int4[]) AS u(lane)"
+            " WHERE pg_try_advisory_xact_lock({fence}, u.lane)"
+            "), due AS ("
+            " UPDATE {events} e SET available_at = now() FROM fenced f"
+            " WHERE e.lane = f.lane AND e.published_at IS NULL AND e.available_at > now()"
+            " AND e.last_error LIKE %(marker)s"
+            ") SELECT lane FROM fenced"
+        ).format(fence=sql.Literal(self._ns[2]), events=self._events)
+
+    @cached_property
     def restore(self) -> sql.Composed:
         """Put unacknowledged rows back (same id, so the same place in their lane).
 

@@ -16,6 +16,7 @@ from outbox.settings import OutboxSettings
 from outbox.tables import build_tables
 from relay import Relay
 from relay.cursor import LANE_START
+from relay.errors import PartitionUnavailable
 from relay.store import ID, LANE, RelayStore
 from tests.support.inbox import wait_for
 from tests.support.kafka import read_all
@@ -321,3 +322,43 @@ def test_a_claim_stops_at_its_byte_budget_keeping_each_lane_a_prefix(
     assert claim(1_000) == [(ids[0], 0), (ids[1], 1), (ids[2], 0)]
     assert claim(1) == [(ids[0], 0)]  # always at least one row
     assert claim(1 << 20) == list(zip(ids, [0, 1, 0, 1, 0], strict=True))
+
+
+async def test_a_lane_taken_over_publishes_rows_held_for_a_sick_partition_first(
+    engine: Engine,
+    settings: OutboxSettings,
+    new_topic: Callable[..., Awaitable[str]],
+    running: Callable[[OutboxSettings], Awaitable[Relay]],
+) -> None:
+    # What a relay that died (or gave the lane up) during a broker failure leaves behind:
+    # the row it put back for an unavailable partition, due only later. The next owner
+    # must not pass over it and send the key's later row first; a row the application
+    # scheduled for later keeps its time.
+    topic = await new_topic(partitions=2)
+    held, later = publish_numbered(engine, settings, topic, 2, keys=1)
+    with engine.begin() as conn:
+        scheduled = str(
+            Outbox(settings).publish(conn, topic=topic, key="k1", event_type="t", payload={})
+        )
+    events = build_tables(settings).events.fullname
+    with engine.begin() as conn:
+        conn.execute(
+            text(
+                f"UPDATE {events} SET available_at = now() + interval '60 seconds',"
+                " last_error = :marker WHERE event_id = :id"
+            ),
+            {"marker": f"{PartitionUnavailable.MARKER}{topic}[0], leader 2", "id": held},
+        )
+        conn.execute(
+            text(
+                f"UPDATE {events} SET available_at = now() + interval '1 hour' WHERE event_id = :id"
+            ),
+            {"id": scheduled},
+        )
+    await running(fast(settings))
+    records = await read_ids(settings.kafka_bootstrap_servers, topic, [held, later], 30)
+    order = [r.headers["ce_id"].decode() for r in records]
+    assert order[:2] == [held, later], order
+    with engine.connect() as conn:
+        left = conn.execute(text(f"SELECT event_id::text FROM {events}")).scalars().all()
+    assert left == [scheduled]

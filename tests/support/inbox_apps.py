@@ -56,10 +56,10 @@ if MODE == "kill_after_commit" and RUNS_FILE:
 
     async def _kill_before_offset_commit(
         self: runner.ConsumerDaemon, offsets: dict[object, int]
-    ) -> None:
+    ) -> bool:
         if not _marker.exists():
             _marker.write_text(str(max(offsets.values())))
             os.kill(os.getpid(), signal.SIGKILL)
-        await _commit(self, offsets)  # type: ignore[arg-type]
+        return await _commit(self, offsets)  # type: ignore[arg-type]
 
     runner.ConsumerDaemon._commit = _kill_before_offset_commit  # type: ignore[method-assign]

@@ -44,6 +44,7 @@ def publish_numbered(
     keys: int = 50,
     per_tx: int = 100,
     start: int = 0,
+    event_type: str = "test.numbered",
 ) -> list[str]:
     """Commit ``count`` events; payload {"key", "seq"} with seq increasing per key."""
     ob = Outbox(settings)
@@ -53,7 +54,7 @@ def publish_numbered(
             Message(
                 topic=topic,
                 key=f"k{n % keys}",
-                event_type="test.numbered",
+                event_type=event_type,
                 payload={"key": f"k{n % keys}", "seq": n},
             )
             for n in range(base, min(base + per_tx, start + count))

@@ -116,7 +116,12 @@ def test_every_documented_variable_is_read_by_the_settings(
 
 _ENV = re.compile(r"\bOUTBOX_[A-Z0-9_]*[A-Z0-9]\b(?:__\*|_\*)?")
 # Variables that are not settings: the CLI's log level, the scripts' and test services'.
-_NOT_SETTINGS = {"OUTBOX_LOG_LEVEL", "OUTBOX_SERVICES", "OUTBOX_SECURE_KAFKA_PASSWORD"}
+_NOT_SETTINGS = {
+    "OUTBOX_LOG_LEVEL",
+    "OUTBOX_SERVICES",
+    "OUTBOX_SERVICES_DIR",
+    "OUTBOX_SECURE_KAFKA_PASSWORD",
+}
 
 
 @pytest.mark.parametrize("page", pages(), ids=_rel)

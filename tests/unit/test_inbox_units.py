@@ -121,3 +121,42 @@ def test_healthz_is_unhealthy_only_when_waiting_records_make_no_progress() -> No
     assert not daemon.healthy()  # waiting and nothing committed for too long
     daemon._lanes["tp"].events.clear()  # type: ignore[attr-defined]
     assert daemon.healthy()  # caught up: quiet is fine
+
+
+async def test_an_offset_commit_kafka_did_not_take_is_tried_again() -> None:
+    # The group coordinator's broker died: the commit fails. The offsets stay pending (a
+    # newer one finished meanwhile wins) and go with the next commit, so a restart re-reads
+    # no more than what was never committed.
+    from aiokafka import TopicPartition
+    from aiokafka.errors import KafkaConnectionError
+
+    from inbox.runner import ConsumerDaemon
+    from outbox.settings import OutboxSettings
+
+    class Kafka:
+        def __init__(self) -> None:
+            self.fail = True
+            self.committed: list[dict[TopicPartition, int]] = []
+
+        async def commit(self, offsets: dict[TopicPartition, int]) -> None:
+            if self.fail:
+                raise KafkaConnectionError("coordinator gone")
+            self.committed.append(dict(offsets))
+
+    settings = OutboxSettings(
+        database_url="postgresql+psycopg://u:p@127.0.0.1:1/db",  # type: ignore[arg-type]
+        kafka_bootstrap_servers="127.0.0.1:1",
+    )
+    daemon = ConsumerDaemon(inbox.Consumer(name="c", topics=["t"]), settings)
+    kafka = daemon._kafka = Kafka()  # type: ignore[assignment]
+    a, b = TopicPartition("t", 0), TopicPartition("t", 1)
+    daemon._offset_done(a, 10)
+    daemon._offset_done(b, 7)
+    assert not await daemon.flush_offsets()
+    assert daemon._pending_offsets == {a: 10, b: 7} and daemon._offsets_ready.is_set()
+    assert not daemon.kafka.up  # one line for the outage
+    daemon._offset_done(a, 12)  # finished while Kafka was away: the newer offset wins
+    kafka.fail = False
+    assert await daemon.flush_offsets()
+    assert kafka.committed == [{a: 12, b: 7}] and daemon._pending_offsets == {}
+    assert daemon.kafka.up

@@ -1,0 +1,108 @@
+"""Partition stalls and holds (relay/partitions.py): pure bookkeeping, a fake clock."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import pytest
+
+from relay.errors import PartitionUnavailable
+from relay.metrics import RelayMetrics
+from relay.partitions import MAX_DELAY, MIN_DELAY, PartitionHealth
+
+TP = ("orders", 3)
+OTHER = ("orders", 4)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+@pytest.fixture
+def health(clock: Clock) -> PartitionHealth:
+    return PartitionHealth(RelayMetrics(), clock)
+
+
+def gauge(health: PartitionHealth) -> float | None:
+    return health._metrics.registry.get_sample_value("outbox_relay_partitions_unavailable")
+
+
+async def test_a_stalled_partition_refuses_its_rows_until_its_batch_is_answered(
+    health: PartitionHealth, clock: Clock
+) -> None:
+    batch: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    first = health.stalled(TP, batch, leader=2)
+    assert isinstance(first, PartitionUnavailable) and first.delay == MIN_DELAY
+    assert str(first).startswith(PartitionUnavailable.MARKER)  # what a take-over looks for
+    assert "orders[3]" in str(first) and "leader 2" in str(first)
+    assert health.refusal(OTHER, clock.now) is None  # the others keep flowing
+    clock.now += 8
+    refused = health.refusal(TP, clock.now)
+    assert refused is not None and refused.delay == MAX_DELAY  # grows with the stall
+    assert health.waiting == [batch]
+    batch.set_result(None)
+    assert health.answered() == [batch] and health.unavailable == 0
+
+
+async def test_after_the_stall_rows_wait_until_those_put_back_are_due(
+    health: PartitionHealth, clock: Clock
+) -> None:
+    batch: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    health.stalled(TP, batch, leader=2)
+    clock.now += 4
+    put_back = health.refusal(TP, clock.now)  # 4 s into the stall: delay 0.5 s, due at 104.5
+    assert put_back is not None and put_back.delay == pytest.approx(0.5)
+    batch.set_result(None)
+    health.answered()
+    clock.now += 0.2
+    # A claim that began before the put-back rows are due may have passed over them: its
+    # rows of that partition go back too, due no later than the others.
+    late = health.refusal(TP, clock.now - 0.1)
+    assert late is not None and late.delay == pytest.approx(0.3)
+    assert health.refusal(TP, 104.5) is None  # a claim from then on sees them all
+
+
+async def test_a_replaced_producer_s_batches_are_forgotten(health: PartitionHealth) -> None:
+    batch: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    health.stalled(TP, batch, leader=1)
+    health.forget([batch])
+    assert health.unavailable == 0 and health.waiting == []
+    batch.cancel()
+
+
+async def test_one_line_per_change_and_none_for_a_blip(
+    health: PartitionHealth, clock: Clock, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, "relay.kafka")
+    loop = asyncio.get_running_loop()
+    a, b = loop.create_future(), loop.create_future()
+    parts = {"orders": list(range(6))}
+    health.stalled(TP, a, leader=2)
+    health.report(parts)
+    assert caplog.records == [] and gauge(health) == 1  # counted at once, said after 1 s
+    clock.now += 1.5
+    health.stalled(OTHER, b, leader=2)
+    health.report(parts)
+    health.report(parts)
+    [line] = caplog.records
+    assert "1 of 6 partitions of orders unavailable since" in line.getMessage()
+    assert "leader 2" in line.getMessage() and gauge(health) == 2
+    clock.now += 1.5
+    health.report(parts)  # the second partition is down long enough now: a new state
+    assert "2 of 6 partitions" in caplog.records[-1].getMessage()
+    a.set_result(None)
+    b.set_result(None)
+    health.answered()
+    health.report(parts)
+    assert "available again after 3.0 s" in caplog.records[-1].getMessage()
+    assert len(caplog.records) == 3 and gauge(health) == 0
