@@ -10,7 +10,9 @@
     async def charge(event: OrderCreated, session: AsyncSession) -> None:
         session.add(Charge(order_id=event.order_id))
 
-Run it with ``outbox consume mymodule:app``.
+Run it with ``outbox consume mymodule:app``. Records of other producers (Debezium's outbox
+router, structured-mode CloudEvents, plain JSON topics) are read by envelopes:
+:mod:`inbox.envelopes`.
 """
 
 from inbox.app import Consumer, Handler
@@ -19,8 +21,10 @@ from inbox.deadletters import DeadLetters, ReplayReport
 from inbox.errors import (
     ConsumerAppNotFound,
     DeadLetterNotFound,
+    EnvelopeError,
     HandlerConfigurationError,
     ReplayRefused,
+    Unreadable,
 )
 from inbox.event import InboxEvent
 from inbox.metrics import Metrics
@@ -36,6 +40,7 @@ __all__ = [
     "DeadLetterFilter",
     "DeadLetterNotFound",
     "DeadLetters",
+    "EnvelopeError",
     "EventContext",
     "Handler",
     "HandlerConfigurationError",
@@ -46,4 +51,5 @@ __all__ = [
     "ReplayRefused",
     "ReplayReport",
     "Retryable",
+    "Unreadable",
 ]

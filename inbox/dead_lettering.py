@@ -12,6 +12,7 @@ from typing import Protocol
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from inbox import failures, tracing
+from inbox.envelopes.base import EVENT_ID_HEADER
 from inbox.event import InboxEvent
 from inbox.failures import Failure
 from inbox.store import DEAD_LETTERED, InboxStore
@@ -38,9 +39,10 @@ class DeadLetterer:
     async def apply_policy(self, session: AsyncSession, event: InboxEvent) -> bool:
         """Unknown type or malformed record: dead-letter or skip. True if dead-lettered."""
         if event.malformed is not None:
-            failure, policy = failures.malformed(event.malformed), self.config.malformed_policy
+            failure = failures.malformed(event.malformed, self.config.error_message_chars)
+            policy = self.config.malformed_policy
         else:
-            failure = failures.unknown_type(event.event_type)
+            failure = failures.unknown_type(event.event_type, event.topic)
             policy = self.config.unknown_type_policy
         if policy == "skip":
             log.debug(
@@ -84,8 +86,11 @@ class DeadLetterer:
             ("dlq_original_topic", event.topic.encode()),
             ("dlq_original_partition", str(event.partition).encode()),
             ("dlq_original_offset", str(event.offset).encode()),
+            (EVENT_ID_HEADER, event.event_id.encode()),
         ]
-        partition, offset = await self.sink.send(dlq_topic, event.key, event.value, headers)
+        # The record as received (a structured CloudEvent whole, not only its data).
+        value = event.record_value
+        partition, offset = await self.sink.send(dlq_topic, event.key, value, headers)
         tracing.dead_lettered(event, self.consumer, failure, attempts, dlq_topic)
         await self.store.add_dead_letter(
             session,

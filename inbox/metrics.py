@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 # Counter name (outbox_inbox_<name>_total) -> help text.
 COUNTERS = {
@@ -40,6 +41,14 @@ class Metrics:
             buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1, 5),
         ).labels(self.consumer)
         self.counts = dict.fromkeys(COUNTERS, 0)
+        # One series per partition while this member has it assigned.
+        self._lag = Gauge(
+            "outbox_inbox_lag_records",
+            "Records of an assigned partition after the offset this consumer committed "
+            "(high watermark minus committed offset).",
+            ["consumer", "topic", "partition"],
+            registry=self.registry,
+        )
 
     def _inc(self, name: str, n: int) -> None:
         if n:
@@ -66,3 +75,10 @@ class Metrics:
 
     def handler_seconds(self, seconds: float) -> None:
         self._handler_seconds.observe(seconds)
+
+    def lag(self, topic: str, partition: int, records: int) -> None:
+        self._lag.labels(self.consumer, topic, str(partition)).set(records)
+
+    def forget_lag(self, topic: str, partition: int) -> None:
+        with contextlib.suppress(KeyError):
+            self._lag.remove(self.consumer, topic, str(partition))
