@@ -66,10 +66,16 @@ class Handler:
     # None: the event type on every topic of the consumer.
     topic: str | None = None
 
-    def describe(self) -> str:
-        what = "every record" if self.event_type is None else f"type {self.event_type!r}"
+    @property
+    def claim(self) -> str:
+        """Which records it takes, in words."""
+        if self.event_type is None:
+            return f"every record of topic {self.topic!r}"
         where = "" if self.topic is None else f" on topic {self.topic!r}"
-        return f"{self.fn.__qualname__} ({what}{where})"
+        return f"event type {self.event_type!r}{where}"
+
+    def describe(self) -> str:
+        return f"{self.fn.__qualname__} ({self.claim})"
 
     def parse(self, event: InboxEvent) -> Any:
         if self.model is None:
@@ -249,7 +255,7 @@ class Consumer:
                 clash = any(self._readers[t].typed is not False for t in topics)
             if clash and (old.event_type, old.topic) == (new.event_type, new.topic):
                 raise HandlerConfigurationError(
-                    f"{new.describe().partition(' ')[2]} already has handler {old.describe()}"
+                    f"{new.claim} already has handler {old.fn.__qualname__}"
                 )
             if clash:
                 raise HandlerConfigurationError(
