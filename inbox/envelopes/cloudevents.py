@@ -5,6 +5,8 @@
 * Structured mode (Dapr's default, Knative's KafkaSink option): ``content-type:
   application/cloudevents+json`` and the whole event as a JSON object in the value, its
   data in ``data`` (JSON, or a string for a non-JSON ``datacontenttype``) or ``data_base64``.
+  A record without ``ce_id`` whose value is such an object (it names ``specversion``) is
+  read so too when the producer did not set the header: it would be malformed otherwise.
 
 A batch (``application/cloudevents-batch+json``) or another event format is a malformed
 record with that reason: the Kafka binding defines neither.
@@ -62,6 +64,9 @@ def decode(record: KafkaRecord) -> InboxEvent:
     event_id = None if raw_id is None else utf8(raw_id)
     event_type = None if raw_type is None else utf8(raw_type)
     if event_id is None:
+        value = record.value
+        if raw_id is None and value is not None and b'"specversion"' in value:
+            return _structured(record, headers, JSON_FORMAT.encode())  # header left out
         return unreadable(record, headers, "missing or invalid ce_id header", event_type)
     if len(event_id) > MAX_ID_CHARS:
         return unreadable(record, headers, "ce_id header longer than 255 characters", event_type)

@@ -119,6 +119,17 @@ def test_structured_mode_is_recognised_per_record_case_insensitively() -> None:
     assert e.event_id == "x" and e.value == b'{"a":1}'
 
 
+def test_a_structured_event_without_its_content_type_header_is_still_read() -> None:
+    doc = {"specversion": "1.0", "id": "x", "type": "t", "source": "s", "data": {"a": 1}}
+    e = decode("cloudevents", rec(json.dumps(doc).encode(), {"content-type": b"application/json"}))
+    assert (e.event_id, e.event_type, e.value, e.malformed) == ("x", "t", b'{"a":1}', None)
+    # Without specversion it is no CloudEvent at all: the binary mode's reason.
+    e = decode("cloudevents", rec(b'{"id": "x", "type": "t"}'))
+    assert e.malformed == "missing or invalid ce_id header"
+    e = decode("cloudevents", rec(b'{"specversion": "1.0", "type": "t"}'))
+    assert e.malformed == "cloudevents: structured event has no id (a non-empty string)"
+
+
 @pytest.mark.parametrize(
     ("value", "content_type", "reason"),
     [
