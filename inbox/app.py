@@ -223,11 +223,16 @@ class Consumer:
 
     def envelope_for(self, topic: str) -> Reader:
         """How this consumer reads the records of ``topic``."""
-        return self._readers[topic]
+        reader = self._readers.get(topic)
+        if reader is None:
+            raise HandlerConfigurationError(
+                f"topic {topic!r} is not one of this consumer's: {', '.join(self.topics)}"
+            )
+        return reader
 
     def decoder(self, topic: str) -> Decoder:
         """Record -> InboxEvent for ``topic`` (resolved once per partition, not per record)."""
-        return self._readers[topic].decode
+        return self.envelope_for(topic).decode
 
     def router(self, topic: str) -> Callable[[str | None], Handler | None]:
         """Event type -> its handler on ``topic`` (None: unknown), for a partition's

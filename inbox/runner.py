@@ -284,12 +284,13 @@ class ConsumerDaemon:
                 continue  # not fetched yet
             committed = self._committed.get(tp)
             if committed is None:
-                # Nothing fetched since it was assigned: the position is still where the
-                # group's committed offset put it.
+                # Nothing handed over since it was assigned: the position is still where the
+                # group's committed offset put it (it is valid once a fetch came back; the
+                # timeout only guards the loop against a reset in between).
                 try:
-                    committed = await kafka.position(tp)
-                except IllegalStateError:
-                    continue  # no longer assigned
+                    committed = await asyncio.wait_for(kafka.position(tp), 0.1)
+                except (IllegalStateError, TimeoutError):
+                    continue  # no longer assigned, or being reset
             self.metrics.lag(tp.topic, tp.partition, max(high - committed, 0))
 
     async def _loop(

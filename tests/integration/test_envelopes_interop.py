@@ -28,9 +28,11 @@ from sqlalchemy.ext.asyncio import AsyncSession
 import inbox
 from inbox import DeadLetterFilter, DeadLetters, EventContext
 from inbox.envelopes import Generic, Pointer
+from inbox.errors import EnvelopeError
 from outbox.settings import OutboxSettings
 from tests.support.inbox import (
     RunningConsumer,
+    committed_offsets,
     effect_counts,
     effect_rows,
     effects_table,
@@ -372,3 +374,23 @@ async def test_the_lag_gauge_rises_while_stopped_and_falls_to_zero_after_catchin
             gate.set()  # a failure above must not leave the consumer stuck in its handler
         await wait_for(lambda: lag(c) == 0, what="the lag falling to 0")
     assert sum(effect_counts(engine, table).values()) == 260
+
+
+async def test_an_envelope_returning_garbage_stops_the_consumer_with_nothing_committed(
+    settings: OutboxSettings, engine: Engine, new_topic: NewTopic, kafka_bootstrap: str
+) -> None:
+    topic = await new_topic()
+    group = name()
+    app = inbox.Consumer(name=group, topics=[topic], envelope="tests.support.envelopes:garbage")
+
+    @app.handler(topic=topic)
+    async def never(thing: Thing, session: AsyncSession) -> None:
+        raise AssertionError("no event can reach a handler")
+
+    await produce(kafka_bootstrap, topic, [(b"k", b'{"key": "k", "seq": 1}', [])])
+    consumer = RunningConsumer(app, fast_settings(settings))
+    with pytest.raises(EnvelopeError, match=r"returned dict for .*\[0\]@0, not an inbox"):
+        async with consumer:
+            assert consumer.task is not None
+            await asyncio.wait_for(asyncio.shield(consumer.task), 60)
+    assert await committed_offsets(kafka_bootstrap, group) == {}  # read again after a fix
