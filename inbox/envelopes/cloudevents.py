@@ -59,7 +59,11 @@ def decode(record: KafkaRecord) -> InboxEvent:
             raw_type = raw
         elif name == "content-type":
             content_type = raw
-    if content_type is not None and content_type[:23].lower() == STRUCTURED:
+    if (
+        content_type is not None
+        and content_type != b"application/json"  # the usual binary mode: one cheap test
+        and content_type[:23].lower() == STRUCTURED
+    ):
         return _structured(record, headers, content_type)
     event_id = None if raw_id is None else utf8(raw_id)
     event_type = None if raw_type is None else utf8(raw_type)
