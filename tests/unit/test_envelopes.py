@@ -88,6 +88,18 @@ def test_cloudevents_sdk_structured_mode_gives_the_data_and_keeps_the_record() -
     assert e.content_type == "application/json" and e.time is not None
 
 
+def test_a_structured_events_own_trace_context_continues_the_trace() -> None:
+    from inbox.tracing import carrier
+
+    parent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+    doc = {"specversion": "1.0", "id": "x", "type": "t", "traceparent": parent, "data": {}}
+    headers = {"content-type": b"application/cloudevents+json", "traceparent": b"00-other"}
+    e = decode("cloudevents", rec(json.dumps(doc).encode(), headers))
+    assert dict(carrier(e))["traceparent"] == parent.encode()  # the event's own wins
+    binary = decode("cloudevents", rec(b"{}", {"ce_id": b"i", "ce_type": b"t"}))
+    assert carrier(binary) is binary.headers
+
+
 def test_structured_mode_data_base64_and_text_data() -> None:
     binary = sdk_event(b"\x00\x01", datacontenttype="application/octet-stream")
     e = decode("cloudevents", sdk_record(ce_kafka.to_structured(binary, JSONFormat())))
