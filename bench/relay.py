@@ -42,7 +42,7 @@ from outbox.daemon import kafka_consumer, kafka_environment, kafka_producer
 from outbox.db import sync_engine
 from outbox.envelope import Message, lane_for
 from outbox.settings import KafkaSettings, OutboxSettings
-from relay.store import CLAIM_CONNECTION_OPTIONS, RelayStore
+from relay.store import CLAIM_SESSION_SETTINGS, RelayStore
 
 KEYS = 1000
 PAD = 250  # JSON payload of ~300 bytes
@@ -220,9 +220,8 @@ def db_ceiling(settings: OutboxSettings, topic: str, rows: int) -> tuple[float, 
     results = []
     for use_store in (True, False):
         fill(settings, topic, rows)
-        with psycopg.connect(
-            settings.libpq_dsn, autocommit=True, options=CLAIM_CONNECTION_OPTIONS
-        ) as conn:
+        with psycopg.connect(settings.libpq_dsn, autocommit=True) as conn:
+            conn.execute(CLAIM_SESSION_SETTINGS)
             t0 = time.perf_counter()
             done, rot = 0, 0
             while True:

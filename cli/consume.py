@@ -56,7 +56,7 @@ def consume(
         notice(
             f"consumer {app.name} on {', '.join(app.topics)} "
             f"({len(app.handlers) + len(app.topic_handlers)} handlers, "
-            f"database {settings.safe_database_url})",
+            f"database {daemon.settings.safe_database_url})",
             consumer=app.name,
             topics=list(app.topics),
         )

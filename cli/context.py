@@ -116,4 +116,9 @@ def configure_logging(level: str, json_logs: bool) -> None:
     _json_logs = json_logs
     setup_logging(level=level, json_logs=json_logs)
     logging.getLogger("aiokafka").setLevel(logging.WARNING)
+    # Alembic narrates every schema look-up at INFO ("Context impl PostgresqlImpl.", "Will
+    # assume transactional DDL."): commands print their own answer, Alembic only at DEBUG.
+    # `outbox db upgrade` reports the revisions it applies itself.
+    debug = logging.getLevelName(level.upper()) == logging.DEBUG
+    logging.getLogger("alembic").setLevel(logging.NOTSET if debug else logging.WARNING)
     limit_third_party_logs()  # aiokafka repeats itself every ~200 ms during an outage

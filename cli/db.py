@@ -18,7 +18,7 @@ def upgrade(ctx: typer.Context, revision: str = typer.Argument("head")) -> None:
     """Create or update the outbox tables (idempotent)."""
     settings = settings_of(ctx)
     notice(f"migrating {settings.safe_database_url} (schema {settings.db_schema})")
-    run(lambda: migrate.upgrade(settings, revision))
+    run(lambda: migrate.upgrade(settings, revision, progress=notice))
     at = run(lambda: migrate.current(settings))
     notice(f"at revision {at}", style="green", revision=at)
 

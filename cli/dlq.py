@@ -104,7 +104,7 @@ def show(
         ("state", x.inbox_status or "forgotten (inbox row expired)"),
         ("replays", f"{x.replays} (last {x.replayed_at.isoformat() if x.replayed_at else '-'})"),
         ("key", repr(x.key)),
-        ("value", f"{len(x.value or b'')} bytes"),
+        ("value", "null (a tombstone)" if x.value is None else f"{len(x.value)} bytes"),
     ):
         out.print(f"[bold]{label}:[/] {value}", highlight=False)
     for name, raw in x.headers:

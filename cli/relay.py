@@ -51,7 +51,7 @@ def list_command(
             r.topic,
             r.event_type,
             str(r.attempts),
-            str(r.payload_bytes),
+            "tombstone" if r.payload_bytes is None else str(r.payload_bytes),
             r.failed_at.isoformat(timespec="seconds"),
             r.last_error or "",
         )

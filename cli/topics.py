@@ -1,8 +1,8 @@
 """``outbox topics ensure``: create the relay's and the consumers' topics (idempotent).
 
 Exit codes: 0 every topic exists or was created; 1 a topic could not be created, exists with
-fewer partitions than asked, or Kafka could not be reached; 2 bad arguments (a topic spec,
-an app that cannot be loaded).
+fewer partitions than asked or without the compaction asked, or Kafka could not be reached;
+2 bad arguments (a topic spec, an app that cannot be loaded).
 """
 
 from __future__ import annotations
@@ -24,8 +24,9 @@ def ensure_command(
     topics: list[str] = typer.Option(
         [],
         "--topic",
-        help="A topic the relay publishes to, NAME or NAME:PARTITIONS (repeatable; added to "
-        "OUTBOX_TOPICS__NAMES).",
+        help="A topic the relay publishes to, `NAME[:PARTITIONS][:compact]` (repeatable; added "
+        "to OUTBOX_TOPICS__NAMES). ':compact' makes it a compacted topic (cleanup.policy="
+        "compact: the latest event per key is kept, a tombstone deletes the key).",
     ),
     apps: list[str] = typer.Option(
         [],
@@ -35,8 +36,9 @@ def ensure_command(
     as_json: bool = typer.Option(False, "--json", help="Print the results as JSON."),
 ) -> None:
     """Create missing topics (partitions from NAME:P or OUTBOX_TOPICS__PARTITIONS; replication
-    OUTBOX_TOPICS__REPLICATION_FACTOR capped by the broker count). Existing topics are left
-    alone; one with fewer partitions than asked is reported (exit 1)."""
+    OUTBOX_TOPICS__REPLICATION_FACTOR capped by the broker count; NAME:compact for
+    cleanup.policy=compact). Existing topics are left alone; one with fewer partitions than
+    asked, or not compacted when compaction is asked, is reported (exit 1)."""
     settings = settings_of(ctx)
 
     def wanted() -> list[TopicSpec]:
@@ -64,13 +66,14 @@ def ensure_command(
 
 
 def _line(r: TopicResult) -> str:
+    compacted = ", compacted" if r.compact else ""
     if r.status == "created":
         return (
             f"created  {r.topic} ({r.partitions} partitions, "
-            f"replication factor {r.replication_factor})"
+            f"replication factor {r.replication_factor}{compacted})"
         )
     if r.status == "exists":
-        return f"exists   {r.topic} ({r.partitions} partitions)"
-    if r.status == "too_few_partitions":
+        return f"exists   {r.topic} ({r.partitions} partitions{compacted})"
+    if r.status in ("too_few_partitions", "not_compacted"):
         return f"PROBLEM  {r.topic}: {r.detail}"
     return f"FAILED   {r.topic}: {r.detail}"

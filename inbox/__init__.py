@@ -24,6 +24,7 @@ from inbox.errors import (
     EnvelopeError,
     HandlerConfigurationError,
     ReplayRefused,
+    TombstoneRefused,
     Unreadable,
 )
 from inbox.event import InboxEvent
@@ -51,5 +52,6 @@ __all__ = [
     "ReplayRefused",
     "ReplayReport",
     "Retryable",
+    "TombstoneRefused",
     "Unreadable",
 ]

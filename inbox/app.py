@@ -21,11 +21,14 @@ could both claim one record are refused when the second is declared.
 
 A handler's first parameter decides what it receives: annotated with a pydantic model,
 the payload parsed into it (a validation error is permanent: dead-lettered at once);
-otherwise the raw :class:`~inbox.event.InboxEvent`. A third parameter annotated
-:class:`~inbox.context.EventContext` receives the event's metadata (id, key, headers,
-partition, offset, attempt). ``async def`` handlers get an
-``AsyncSession``; plain ``def`` handlers get a sync ``Session`` on the same connection
-and transaction (run through ``AsyncSession.run_sync``).
+otherwise the raw :class:`~inbox.event.InboxEvent`. A tombstone (a record with a null value,
+``outbox.TOMBSTONE`` on the producer side) reaches a model-typed handler only when the
+annotation admits it, ``Model | None`` (the handler gets ``None``); a handler typed with the
+model alone cannot take it, which is a permanent error (:class:`TombstoneRefused`). A third
+parameter annotated :class:`~inbox.context.EventContext` receives the event's metadata (id,
+key, headers, partition, offset, attempt). ``async def`` handlers get an ``AsyncSession``;
+plain ``def`` handlers get a sync ``Session`` on the same connection and transaction (run
+through ``AsyncSession.run_sync``).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import inspect
 import typing
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from types import UnionType
 from typing import Any, Literal
 
 from pydantic import BaseModel
@@ -41,7 +45,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from inbox.context import EventContext
 from inbox.envelopes import EnvelopeSpec, Reader, resolve
-from inbox.errors import HandlerConfigurationError
+from inbox.errors import HandlerConfigurationError, TombstoneRefused
 from inbox.event import InboxEvent, KafkaRecord
 from outbox import identifiers
 from outbox.settings import OutboxSettings
@@ -63,6 +67,8 @@ class Handler:
     stale: Literal["skip"] | None = None
     # The handler declared a third parameter typed EventContext.
     wants_context: bool = False
+    # The model parameter is annotated ``Model | None``: a tombstone arrives as None.
+    takes_tombstones: bool = False
     # None: the event type on every topic of the consumer.
     topic: str | None = None
 
@@ -80,7 +86,15 @@ class Handler:
     def parse(self, event: InboxEvent) -> Any:
         if self.model is None:
             return event
-        return self.model.model_validate_json(event.value or b"")
+        if event.value is None:
+            if self.takes_tombstones:
+                return None
+            raise TombstoneRefused(
+                f"event {event.event_id} is a tombstone (null value) and handler "
+                f"{self.fn.__qualname__} takes {self.model.__name__}; annotate it "
+                f"{self.model.__name__} | None, or take the InboxEvent, to handle deletions"
+            )
+        return self.model.model_validate_json(event.value)
 
     async def __call__(self, event: InboxEvent, session: AsyncSession, attempt: int = 1) -> None:
         arg = self.parse(event)
@@ -91,9 +105,22 @@ class Handler:
             await session.run_sync(lambda sync_session: self.fn(arg, sync_session, *extra))
 
 
-def _signature_of(fn: HandlerFn) -> tuple[type[BaseModel] | None, bool]:
-    """The handler's payload model (None: it takes the raw event) and whether it takes
-    an :class:`EventContext` third."""
+def _model_of(hint: Any) -> tuple[type[BaseModel] | None, bool]:
+    """The model of a first parameter annotated ``Model`` or ``Model | None`` (then it
+    takes tombstones too); (None, False) for anything else."""
+    if isinstance(hint, type) and issubclass(hint, BaseModel):
+        return hint, False
+    members = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, UnionType) else ()
+    models = [m for m in members if isinstance(m, type) and issubclass(m, BaseModel)]
+    if len(models) == 1 and len(members) == 2 and type(None) in members:
+        return models[0], True
+    return None, False
+
+
+def _signature_of(fn: HandlerFn) -> tuple[type[BaseModel] | None, bool, bool]:
+    """The handler's payload model (None: it takes the raw event), whether the model
+    parameter admits None (tombstones) and whether it takes an :class:`EventContext`
+    third."""
     params = list(inspect.signature(fn).parameters.values())
     if len(params) < 2:
         raise HandlerConfigurationError(f"handler {fn.__qualname__} must accept (event, session)")
@@ -103,8 +130,7 @@ def _signature_of(fn: HandlerFn) -> tuple[type[BaseModel] | None, bool]:
         raise HandlerConfigurationError(
             f"cannot resolve annotations of handler {fn.__qualname__}: {exc}"
         ) from None
-    hint = hints.get(params[0].name)
-    model = hint if isinstance(hint, type) and issubclass(hint, BaseModel) else None
+    model, takes_tombstones = _model_of(hints.get(params[0].name))
     wants_context = len(params) > 2 and hints.get(params[2].name) is EventContext
     extra = params[3:] if wants_context else params[2:]
     if any(p.default is inspect.Parameter.empty for p in extra):
@@ -112,7 +138,7 @@ def _signature_of(fn: HandlerFn) -> tuple[type[BaseModel] | None, bool]:
             f"handler {fn.__qualname__} takes (event, session) and optionally a third "
             "parameter annotated EventContext; any others need defaults"
         )
-    return model, wants_context
+    return model, takes_tombstones, wants_context
 
 
 @dataclass
@@ -200,12 +226,13 @@ class Consumer:
             )
 
         def register(fn: HandlerFn) -> HandlerFn:
-            model, wants_context = _signature_of(fn)
+            model, takes_tombstones, wants_context = _signature_of(fn)
             new = Handler(
                 event_type=event_type,
                 fn=fn,
                 model=model,
                 wants_context=wants_context,
+                takes_tombstones=takes_tombstones,
                 is_async=inspect.iscoroutinefunction(fn),
                 max_attempts=max_attempts,
                 stale=stale,

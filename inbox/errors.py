@@ -39,6 +39,13 @@ class Unreadable(OutboxError):
     retriable = False
 
 
+class TombstoneRefused(OutboxError):
+    """A tombstone (null value) reached a handler whose model parameter cannot be None
+    (permanent: dead-lettered at once). Annotate it ``Model | None`` to receive deletions."""
+
+    retriable = False
+
+
 class ReplayRefused(OutboxError):
     """The event was already processed (e.g. replayed before); replaying again would
     apply it twice."""

@@ -43,8 +43,9 @@ from inbox.processor import PartitionProcessor, process_together
 from inbox.store import InboxStore
 from outbox.daemon import kafka_consumer, start_kafka, with_client_options
 from outbox.db import async_engine, unavailable
-from outbox.errors import BrokerUnavailable, OutboxError
+from outbox.errors import BrokerUnavailable, DatabaseUnavailable, OutboxError
 from outbox.outages import Dependency
+from outbox.poolers import probe_session
 from outbox.resilience.retry import RetryPolicy
 from outbox.settings import OutboxSettings
 from outbox.tables import build_tables
@@ -102,6 +103,7 @@ class ConsumerDaemon:
     _end_offsets: dict[TopicPartition, int] = field(default_factory=dict, init=False)
 
     def __post_init__(self) -> None:
+        self.settings = self.settings.for_consumer()  # its own URL, when one is set
         if self.metrics is None:
             self.metrics = Metrics(self.app.name)
         config = self.settings.consumer
@@ -205,23 +207,31 @@ class ConsumerDaemon:
     async def _database_ready(self, stop: asyncio.Event) -> bool:
         """Connect once: a refusal (credentials, unknown database, TLS) raises at once;
         while the database is merely unreachable (still starting), wait with backoff.
-        False when stopped meanwhile."""
-        engine = async_engine(self.settings, pool_size=1, max_overflow=0)
-        try:
-            while True:  # at least one try, even when asked to stop already
-                try:
-                    async with engine.connect():
-                        self.database.ok()
-                        return True
-                except DBAPIError as exc:
-                    error = unavailable(exc)
-                    if not error.retriable:
-                        raise error from None
-                    self.database.failed(error)
-                if not await self._retry_wait(self.database, stop):
-                    return False
-        finally:
-            await engine.dispose()
+        False when stopped meanwhile.
+
+        The connection is a session probe (``outbox/poolers.py``): behind a transaction
+        pooler the consumer runs without server-side prepared statements, whatever
+        ``db_pooler`` says. Nothing else it does needs a session: every statement runs in
+        a transaction that starts and ends on one server session."""
+        while True:  # at least one try, even when asked to stop already
+            try:
+                probe = await probe_session(self.settings)
+            except DatabaseUnavailable as error:
+                self.database.failed(error)
+            else:
+                self.database.ok()
+                if probe.mode == "transaction" and self.settings.db_pooler != "transaction":
+                    # The consumer copes; producers' engines on this URL would not.
+                    log.warning(
+                        "database behind a transaction pooler: running without server-side "
+                        "prepared statements; set OUTBOX_DB_POOLER=transaction wherever this "
+                        "URL is used",
+                        extra={"session": probe.describe()},
+                    )
+                    self.settings = self.settings.model_copy(update={"db_pooler": "transaction"})
+                return True
+            if not await self._retry_wait(self.database, stop):
+                return False
 
     async def _topics_ready(self, settings: OutboxSettings, stop: asyncio.Event) -> bool:
         """Check the topics (and create the dead-letter ones): a refusal or a missing topic

@@ -16,7 +16,7 @@ requests and their ASGI middleware), ``outbox.ops`` (lag, doctor, cleanup).
 """
 
 from outbox.canonical import canonical_json, idempotency_key
-from outbox.envelope import Message, uuid7
+from outbox.envelope import TOMBSTONE, Message, Tombstone, uuid7
 from outbox.errors import (
     BrokerUnavailable,
     ConfigurationError,
@@ -34,6 +34,7 @@ from outbox.settings import OutboxSettings, load_settings
 from outbox.tables import Tables, build_tables
 
 __all__ = [
+    "TOMBSTONE",
     "BrokerUnavailable",
     "ConfigurationError",
     "DatabaseUnavailable",
@@ -47,6 +48,7 @@ __all__ = [
     "PayloadTooLarge",
     "SchemaMissing",
     "Tables",
+    "Tombstone",
     "TopicMissing",
     "build_tables",
     "canonical_json",

@@ -39,20 +39,91 @@ UTF-8 text) goes through pydantic's JSON mode (``to_jsonable_python``) first.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from decimal import Decimal
 from json.encoder import encode_basestring
 from typing import Any
 
+from pydantic import BaseModel
 from pydantic_core import to_jsonable_python
 
 from outbox.errors import PayloadError
 
 # I-JSON (RFC 7493) interoperable integers: every double-based parser reads them exactly.
 MAX_SAFE_INTEGER = 2**53 - 1
+NON_FINITE = "NaN and infinity have no JSON representation"
+
+
+class _NonFinite(PayloadError):
+    """Raised where the number is met; :func:`canonical_json` replaces it by an error that
+    says where in the value it is (found again by :func:`check_finite`)."""
+
+
+def check_finite(value: Any, what: str = "value") -> None:
+    """Refuse NaN and ±Infinity anywhere in ``value``: the one rule for every JSON the
+    library writes (payloads on the wire, canonical JSON for keys and hashes).
+
+    RFC 8259 has no such numbers; Python's encoders write ``NaN``/``Infinity``, which
+    JavaScript's ``JSON.parse``, Jackson and Go reject, and pydantic models write ``null``
+    by default, which silently changes the value. Raises :class:`PayloadError` naming the
+    place as a JSON path (``payload $.items[3].price is NaN``). Walks mappings, lists,
+    tuples, sets, dataclasses and pydantic models; a model whose ``model_config`` sets
+    ``ser_json_inf_nan`` to ``"null"`` or ``"strings"`` chose how it writes them and is
+    not looked into. ``Decimal("NaN")`` counts too.
+    """
+    found = _non_finite(value)
+    if found is not None:
+        spelled, path = found
+        raise PayloadError(
+            f"{what} {_json_path(path)} is {spelled}: {NON_FINITE} (RFC 8259); "
+            "send null or a string"
+        )
+
+
+def _non_finite(value: Any) -> tuple[str, list[str | int]] | None:
+    """The first NaN or infinity, spelled as JavaScript does, and its path (innermost part
+    first); None when there is none."""
+    if isinstance(value, str | int | bytes | None):
+        return None
+    if isinstance(value, float | Decimal):
+        if value.is_finite() if isinstance(value, Decimal) else math.isfinite(value):
+            return None
+        return ("NaN" if value != value else "Infinity" if value > 0 else "-Infinity"), []
+    items: Iterable[tuple[str | int, Any]]
+    if isinstance(value, Mapping):
+        items = ((str(k), v) for k, v in value.items())
+    elif isinstance(value, list | tuple | set | frozenset):
+        items = enumerate(value)
+    elif isinstance(value, BaseModel):
+        if value.model_config.get("ser_json_inf_nan") in ("null", "strings"):
+            return None
+        items = [*vars(value).items(), *(value.__pydantic_extra__ or {}).items()]
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        items = ((f.name, getattr(value, f.name)) for f in dataclasses.fields(value))
+    else:
+        return None
+    for part, child in items:
+        found = _non_finite(child)
+        if found is not None:
+            found[1].append(part)
+            return found
+    return None
+
+
+def _json_path(path: list[str | int]) -> str:
+    text = "$"
+    for part in reversed(path):
+        if isinstance(part, int):
+            text += f"[{part}]"
+        elif part.isidentifier():
+            text += f".{part}"
+        else:
+            text += f"[{encode_basestring(part)}]"
+    return text
 
 
 def ecmascript_number(value: float) -> str:
@@ -64,7 +135,7 @@ def ecmascript_number(value: float) -> str:
     of the decimal point relative to their start (value = 0.s * 10**n).
     """
     if not math.isfinite(value):
-        raise PayloadError("NaN and infinity have no JSON representation")
+        raise _NonFinite(NON_FINITE)
     if value == 0:
         return "0"  # minus zero too
     mantissa, _, exponent = repr(abs(value)).partition("e")
@@ -96,7 +167,7 @@ def _int(value: int) -> str:
 
 def _decimal(value: Decimal) -> str:
     if not value.is_finite():
-        raise PayloadError("NaN and infinity have no JSON representation")
+        raise _NonFinite(NON_FINITE)
     double = float(value)
     if not math.isfinite(double) or Decimal(repr(double)) != value:
         raise PayloadError(
@@ -188,8 +259,17 @@ def canonical_json(value: Any) -> bytes:
     Raises :class:`~outbox.errors.PayloadError` for what has no canonical form: NaN,
     infinities, integers beyond ±(2**53 - 1), lone surrogates, unserializable types.
     """
+    return _canonical(value, value, "value")
+
+
+def _canonical(value: Any, located: Any, what: str) -> bytes:
+    """``canonical_json(value)``; a NaN or infinity is reported by its place in ``located``
+    (``value`` itself, or the part of it the caller gave)."""
     try:
         return _encode(value).encode()
+    except _NonFinite:
+        check_finite(located, what)
+        raise  # a type encoded through pydantic that the walk does not look into
     except UnicodeEncodeError:
         raise PayloadError("a string contains a lone surrogate (not valid Unicode)") from None
     except RecursionError:
@@ -220,7 +300,8 @@ def idempotency_key(*parts: str | int | uuid.UUID, payload: Any = None) -> uuid.
             raise PayloadError(
                 f"idempotency_key parts must be str, int or UUID, not {type(part).__name__}"
             )
-    digest = hashlib.sha256(canonical_json([[str(p) for p in parts], payload])).digest()
+    document = [[str(p) for p in parts], payload]
+    digest = hashlib.sha256(_canonical(document, payload, "payload")).digest()
     raw = bytearray(digest[:16])
     raw[6] = (raw[6] & 0x0F) | 0x80
     raw[8] = (raw[8] & 0x3F) | 0x80

@@ -16,16 +16,35 @@ from outbox.errors import DatabaseRefused, DatabaseUnavailable, SchemaMissing
 from outbox.settings import OutboxSettings
 
 
-def sync_engine(settings: OutboxSettings, **kwargs: Any) -> Engine:
-    """A sync SQLAlchemy engine for ``settings.database_url`` (psycopg 3)."""
+def connect_options(settings: OutboxSettings) -> dict[str, Any]:
+    """psycopg ``connect()`` options for ``settings.db_pooler``.
+
+    Behind a transaction pooler consecutive transactions of one client connection run on
+    different server sessions, so a statement psycopg prepared on one (it does so after
+    five runs by default) is missing on the next ("prepared statement "_pg3_0" does not
+    exist") or already there ("... already exists"). ``prepare_threshold=None`` keeps every
+    statement unnamed: parsed and planned per execution, nothing left on the server.
+    """
+    return {"prepare_threshold": None} if settings.db_pooler == "transaction" else {}
+
+
+def _engine_options(settings: OutboxSettings, kwargs: dict[str, Any]) -> dict[str, Any]:
     kwargs.setdefault("pool_pre_ping", True)
-    return create_engine(settings.sqlalchemy_url, **kwargs)
+    # The caller's own connect_args win over the pooler's.
+    kwargs["connect_args"] = connect_options(settings) | kwargs.get("connect_args", {})
+    return kwargs
+
+
+def sync_engine(settings: OutboxSettings, **kwargs: Any) -> Engine:
+    """A sync SQLAlchemy engine for ``settings.database_url`` (psycopg 3), safe behind the
+    pooler ``settings.db_pooler`` names."""
+    return create_engine(settings.sqlalchemy_url, **_engine_options(settings, kwargs))
 
 
 def async_engine(settings: OutboxSettings, **kwargs: Any) -> AsyncEngine:
-    """An asyncio SQLAlchemy engine for ``settings.database_url`` (psycopg 3)."""
-    kwargs.setdefault("pool_pre_ping", True)
-    return create_async_engine(settings.sqlalchemy_url, **kwargs)
+    """An asyncio SQLAlchemy engine for ``settings.database_url`` (psycopg 3), safe behind
+    the pooler ``settings.db_pooler`` names."""
+    return create_async_engine(settings.sqlalchemy_url, **_engine_options(settings, kwargs))
 
 
 # Connection failures carry no SQLSTATE in psycopg (there is no server result yet): the

@@ -6,6 +6,7 @@ unit-tested without a database.
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import json
 import os
@@ -13,13 +14,13 @@ import time
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Required, TypedDict
+from typing import Any, Final, Required, TypedDict
 
 from pydantic import BaseModel
 from pydantic_core import PydanticSerializationError, to_json
 
 from outbox import identifiers
-from outbox.canonical import canonical_json
+from outbox.canonical import canonical_json, check_finite
 from outbox.errors import PayloadError, PayloadTooLarge
 
 JSON = "application/json"
@@ -34,7 +35,24 @@ RESERVED_HEADERS = frozenset(
 )
 MAX_SEQUENCE = 2**63 - 1
 
-Payload = BaseModel | Mapping[str, Any] | list[Any] | bytes | bytearray | memoryview
+
+class Tombstone(enum.Enum):
+    """The type of :data:`TOMBSTONE` (an enum of one member: a typed singleton)."""
+
+    TOMBSTONE = "TOMBSTONE"
+
+    def __repr__(self) -> str:
+        return "outbox.TOMBSTONE"
+
+
+TOMBSTONE: Final = Tombstone.TOMBSTONE
+"""The payload of a tombstone: a record with a null value, which deletes its key from a
+compacted topic (``cleanup.policy=compact``) once the log cleaner has run. It needs a key,
+keeps its place in the key's order and carries the CloudEvents headers (``ce_type`` says
+what happened, e.g. ``customer.deleted``) but no ``content-type``. ``payload=None`` is
+refused: a payload that is missing by mistake must not delete anything."""
+
+Payload = BaseModel | Mapping[str, Any] | list[Any] | bytes | bytearray | memoryview | Tombstone
 
 
 class MessageFields(TypedDict, total=False):
@@ -78,8 +96,8 @@ class Row:
     lane: int
     event_type: str
     source: str
-    content_type: str
-    payload: bytes
+    content_type: str | None  # None for a tombstone
+    payload: bytes | None  # None for a tombstone
     headers: str  # JSON text of a str -> str mapping
     fingerprint: bytes
     delay_seconds: float
@@ -103,21 +121,39 @@ def lane_for(key: bytes | None, event_id: uuid.UUID, lanes: int) -> int:
     return int.from_bytes(hashlib.blake2b(material, digest_size=8).digest(), "big") % lanes
 
 
-def encode_payload(payload: Payload) -> tuple[bytes, str]:
-    """Payload bytes and their content type. Pydantic models serialize themselves."""
+def encode_payload(payload: Payload) -> tuple[bytes | None, str | None]:
+    """Payload bytes and their content type; ``(None, None)`` for :data:`TOMBSTONE`.
+
+    Pydantic models serialize themselves. JSON never carries NaN or infinity
+    (:func:`~outbox.canonical.check_finite`).
+    """
     if isinstance(payload, bytes | bytearray | memoryview):
         return bytes(payload), OCTET_STREAM
+    if payload is TOMBSTONE:
+        return None, None
     if isinstance(payload, BaseModel):
-        return payload.model_dump_json().encode(), JSON
-    if isinstance(payload, Mapping | list):
+        data = payload.model_dump_json().encode()
+    elif isinstance(payload, Mapping | list):
         try:
-            return to_json(payload), JSON
+            data = to_json(payload)
         except PydanticSerializationError as exc:
             raise PayloadError(f"payload is not JSON-serializable: {exc}") from None
-    raise PayloadError(
-        "payload must be a pydantic model, a dict or list (JSON) or bytes, "
-        f"not {type(payload).__name__}"
-    )
+    elif payload is None:
+        raise PayloadError(
+            "payload is None; to delete the key from a compacted topic publish "
+            "payload=outbox.TOMBSTONE (None is refused so that a missing payload never "
+            "deletes a key by accident)"
+        )
+    else:
+        raise PayloadError(
+            "payload must be a pydantic model, a dict or list (JSON), bytes or "
+            f"outbox.TOMBSTONE, not {type(payload).__name__}"
+        )
+    # A NaN or infinity shows up in the output as one of these words (pydantic models write
+    # null by default). Only then is the payload walked: the word may be inside a string.
+    if b"NaN" in data or b"Infinity" in data or b"null" in data:
+        check_finite(payload, "payload")
+    return data, JSON
 
 
 def _encode_key(key: str | bytes | None) -> bytes | None:
@@ -162,7 +198,7 @@ def _sequence(value: int | None, key: bytes | None) -> str | None:
     return f"{value:020d}"
 
 
-def _fingerprint(topic: str, key: bytes | None, event_type: str, payload: bytes) -> bytes:
+def _fingerprint(topic: str, key: bytes | None, event_type: str, payload: bytes | None) -> bytes:
     h = hashlib.sha256()
     for part in (topic.encode(), key, event_type.encode(), payload):
         # Length-prefix each part so that ("ab", "c") and ("a", "bc") differ; -1 marks None.
@@ -178,8 +214,8 @@ class StoredEvent:
     topic: str
     key: bytes | None
     event_type: str
-    content_type: str
-    payload: bytes
+    content_type: str | None
+    payload: bytes | None
 
 
 def same_event(row: Row, stored: StoredEvent) -> bool:
@@ -192,6 +228,8 @@ def same_event(row: Row, stored: StoredEvent) -> bool:
     """
     if (stored.topic, stored.key, stored.event_type) != (row.topic, row.key, row.event_type):
         return False
+    if stored.payload is None or row.payload is None:
+        return False  # a tombstone is the same event only with the same fingerprint
     if stored.content_type != JSON or row.content_type != JSON:
         return False
     try:
@@ -209,11 +247,13 @@ def prepare(message: Message, *, lanes: int, max_bytes: int, default_source: str
         raise PayloadError("delay_seconds must not be negative")
     payload, content_type = encode_payload(message.payload)
     key = _encode_key(message.key)
+    if payload is None and key is None:
+        raise PayloadError("a tombstone needs a key: it deletes that key from a compacted topic")
     headers = _headers(message.headers)
     sequence = _sequence(message.sequence, key)
     if sequence is not None:
         headers[SEQUENCE_HEADER] = sequence
-    size = len(payload) + len(key or b"") + sum(len(k) + len(v) for k, v in headers.items())
+    size = len(payload or b"") + len(key or b"") + sum(len(k) + len(v) for k, v in headers.items())
     if size > max_bytes:
         raise PayloadTooLarge(size, max_bytes)
     event_id = _event_id(message.event_id)

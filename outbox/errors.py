@@ -31,6 +31,12 @@ class ConnectionRefused(ConfigurationError):
     service = "a service"
 
 
+class PoolerUnsupported(ConfigurationError):
+    """A component that needs a database session of its own (the relay: lane ownership
+    lives in session advisory locks) was pointed at a transaction pooler. Daemons exit 2;
+    the message names the pooler and the setting of the component's own URL."""
+
+
 class InvalidIdentifier(ConfigurationError):
     """A schema, table prefix, topic or consumer name is not a safe identifier."""
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import io
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TextIO
 
@@ -41,10 +41,18 @@ def _revision_errors(revision: str) -> Iterator[None]:
         raise ConfigurationError(f"migration to {revision!r}: {exc}") from exc
 
 
-def upgrade(settings: OutboxSettings, revision: str = "head") -> None:
-    """Create or update the framework's tables (idempotent)."""
+def upgrade(
+    settings: OutboxSettings,
+    revision: str = "head",
+    progress: Callable[[str], None] | None = None,
+) -> None:
+    """Create or update the framework's tables (idempotent). ``progress`` is told about
+    each revision applied (``applied 0007: Tombstones: ...``)."""
+    config = alembic_config(settings)
+    if progress is not None:
+        config.attributes["progress"] = progress
     with translated_errors(), _revision_errors(revision):
-        command.upgrade(alembic_config(settings), revision)
+        command.upgrade(config, revision)
 
 
 def downgrade(settings: OutboxSettings, revision: str) -> None:

@@ -75,7 +75,11 @@ class Outbox:
     def _check_same(rows: Sequence[Row], stored: Iterable[Any]) -> None:
         stored_by_id = {
             r.event_id: envelope.StoredEvent(
-                r.topic, r.key, r.event_type, r.content_type, bytes(r.payload)
+                r.topic,
+                r.key,
+                r.event_type,
+                r.content_type,
+                None if r.payload is None else bytes(r.payload),
             )
             for r in stored
         }
@@ -112,7 +116,8 @@ class Outbox:
 
         Keyword arguments are the fields of :class:`~outbox.envelope.Message`: ``topic``,
         ``payload``, ``event_type`` (required), ``key``, ``event_id``, ``headers``,
-        ``source``, ``delay_seconds``.
+        ``source``, ``delay_seconds``, ``sequence``. ``payload=outbox.TOMBSTONE`` publishes
+        a null value for ``key`` (deletes it from a compacted topic).
         """
         return self.publish_many(session, [Message(**fields)])[0]
 

@@ -25,6 +25,19 @@ class _Section(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
+PoolerMode = Literal["none", "session", "transaction"]
+
+
+def _postgres_url(value: SecretStr, field: str) -> SecretStr:
+    try:
+        url = make_url(value.get_secret_value())
+    except ArgumentError:
+        raise ValueError(f"{field} is not a valid SQLAlchemy URL") from None
+    if url.get_backend_name() != "postgresql":
+        raise ValueError(f"{field} must point to PostgreSQL, not {url.get_backend_name()!r}")
+    return value
+
+
 class RetrySettings(_Section):
     """Backoff used wherever the framework retries (full jitter, bounded)."""
 
@@ -38,6 +51,18 @@ class RetrySettings(_Section):
 
 class RelaySettings(_Section):
     """The relay daemon (``outbox relay``)."""
+
+    database_url: SecretStr | None = Field(
+        None,
+        description="SQLAlchemy URL the relay uses instead of database_url (unset: "
+        "database_url): a direct connection or session pooling, never a transaction pooler "
+        "(lane ownership lives in session advisory locks).",
+    )
+
+    @field_validator("database_url")
+    @classmethod
+    def _check_url(cls, value: SecretStr | None) -> SecretStr | None:
+        return None if value is None else _postgres_url(value, "relay.database_url")
 
     batch_size: int = Field(2000, ge=1, le=50_000, description="Rows claimed per batch.")
     pipelines: int = Field(
@@ -101,6 +126,17 @@ class RelaySettings(_Section):
 class ConsumerSettings(_Section):
     """Inbox consumers (``outbox consume``)."""
 
+    database_url: SecretStr | None = Field(
+        None,
+        description="SQLAlchemy URL consumers use instead of database_url (unset: "
+        "database_url), e.g. a direct one while applications go through a pooler.",
+    )
+
+    @field_validator("database_url")
+    @classmethod
+    def _check_url(cls, value: SecretStr | None) -> SecretStr | None:
+        return None if value is None else _postgres_url(value, "consumer.database_url")
+
     max_attempts: int = Field(
         5, ge=1, description="Handler attempts before dead-lettering (a handler may override)."
     )
@@ -160,8 +196,9 @@ class TopicSettings(_Section):
 
     names: str = Field(
         "",
-        description="Comma-separated topics the relay publishes to, as NAME or "
-        "NAME:PARTITIONS, created by `outbox topics ensure` (with any --topic/--app given).",
+        description="Comma-separated topics the relay publishes to, as "
+        "`NAME[:PARTITIONS][:compact]`, created by `outbox topics ensure` (with any "
+        "--topic/--app given); `:compact` sets cleanup.policy=compact.",
     )
     partitions: int = Field(
         6, ge=1, le=10_000, description="Partitions of a topic created without a count."
@@ -299,7 +336,9 @@ class KafkaSettings(_Section):
 
 
 class OutboxSettings(BaseSettings):
-    """All configuration of outbox-inbox. See the configuration table in the README."""
+    """All configuration of outbox-inbox, read from ``OUTBOX_*`` environment variables
+    (nested sections with ``__``: ``OUTBOX_RELAY__BATCH_SIZE``), a ``.env`` file or keyword
+    arguments. Every variable is listed in the settings reference of the documentation."""
 
     model_config = SettingsConfigDict(
         env_prefix="OUTBOX_",
@@ -311,6 +350,12 @@ class OutboxSettings(BaseSettings):
     database_url: SecretStr = Field(
         SecretStr("postgresql+psycopg://outbox:outbox@127.0.0.1:54329/outbox"),
         description="SQLAlchemy URL of the PostgreSQL database (psycopg 3 driver).",
+    )
+    db_pooler: PoolerMode = Field(
+        "none",
+        description="What database_url goes through: none (PostgreSQL itself), session or "
+        "transaction pooling (PgBouncer, Supavisor, RDS Proxy...). transaction turns psycopg's "
+        "server-side prepared statements off; the relay refuses it (see relay.database_url).",
     )
     kafka_bootstrap_servers: str = Field(
         "127.0.0.1:39092", description="Comma-separated host:port list of Kafka brokers."
@@ -339,15 +384,7 @@ class OutboxSettings(BaseSettings):
     @field_validator("database_url")
     @classmethod
     def _check_url(cls, value: SecretStr) -> SecretStr:
-        try:
-            url = make_url(value.get_secret_value())
-        except ArgumentError:
-            raise ValueError("database_url is not a valid SQLAlchemy URL") from None
-        if url.get_backend_name() != "postgresql":
-            raise ValueError(
-                f"database_url must point to PostgreSQL, not {url.get_backend_name()!r}"
-            )
-        return value
+        return _postgres_url(value, "database_url")
 
     @field_validator("db_schema")
     @classmethod
@@ -358,6 +395,21 @@ class OutboxSettings(BaseSettings):
     @classmethod
     def _check_prefix(cls, value: str) -> str:
         return identifiers.table_prefix(value)
+
+    def for_relay(self) -> OutboxSettings:
+        """The settings the relay runs with: ``relay.database_url`` when set (the relay
+        checks that it is a session of its own: ``db_pooler`` describes database_url only)."""
+        return self._with_database(self.relay.database_url)
+
+    def for_consumer(self) -> OutboxSettings:
+        """The settings consumers run with: ``consumer.database_url`` when set (they probe
+        what that URL goes through at start: ``db_pooler`` describes database_url only)."""
+        return self._with_database(self.consumer.database_url)
+
+    def _with_database(self, url: SecretStr | None) -> OutboxSettings:
+        if url is None:
+            return self
+        return self.model_copy(update={"database_url": url, "db_pooler": "none"})
 
     @property
     def sqlalchemy_url(self) -> URL:

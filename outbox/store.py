@@ -1,4 +1,5 @@
-"""The producer side's SQL, in one place. Nothing else in ``outbox`` builds statements.
+"""The producer side's SQL, in one place (and the three catalog queries of the session
+probe in ``outbox/poolers.py``). Nothing else in ``outbox`` builds statements.
 
 Inserts go through ``unnest`` so that one statement carries any number of rows with a
 fixed number of bind parameters (a multi-row VALUES list would hit PostgreSQL's 65,535
@@ -154,3 +155,15 @@ class ProducerStore:
         return select(
             e.c.event_id, e.c.topic, e.c.key, e.c.event_type, e.c.content_type, e.c.payload
         ).where(e.c.event_id.in_(event_ids))
+
+
+# -- the session probe (outbox/poolers.py): raw psycopg, catalog only --------------------------
+# Params: ns, key (int4). Each returns the backend pid first.
+PROBE_LOCK = "SELECT pg_backend_pid(), pg_try_advisory_lock(%(ns)s::int4, %(key)s::int4)"
+PROBE_HOLDERS = (
+    "SELECT pg_backend_pid(), coalesce(array_agg(l.pid), '{}') FROM pg_locks l"
+    " WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 2"
+    " AND l.classid::int8 = %(ns)s AND l.objid::int8 = %(key)s"
+    " AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())"
+)
+PROBE_UNLOCK = "SELECT pg_backend_pid(), pg_advisory_unlock(%(ns)s::int4, %(key)s::int4)"

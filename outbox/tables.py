@@ -1,7 +1,9 @@
 """SQLAlchemy Core table definitions, built for a configured schema and table prefix.
 
 ``build_tables(settings)`` returns a :class:`Tables` holding one ``MetaData``; users who
-keep their own Alembic history can add ``tables.metadata`` to their ``target_metadata``.
+keep their own Alembic history add ``tables.metadata`` to their ``target_metadata`` (and
+:func:`outbox.ops.alembic_env.storage_directives` to their ``env.py`` for the storage
+parameters, which SQLAlchemy's table DDL cannot carry).
 The shipped migrations (``outbox/migrations``) create exactly these tables; a schema-drift
 test compares the two.
 
@@ -12,6 +14,7 @@ MetaData describes the whole database footprint.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from functools import cache
 from typing import Any
@@ -32,6 +35,7 @@ from sqlalchemy import (
     Text,
     text,
 )
+from sqlalchemy.dialects import postgresql
 from sqlalchemy.dialects.postgresql import ARRAY, JSONB, UUID
 
 from outbox.settings import OutboxSettings
@@ -88,8 +92,9 @@ def _record_columns() -> list[Column[Any]]:
         Column("lane", SmallInteger, nullable=False),
         Column("event_type", Text, nullable=False),
         Column("source", Text, nullable=False),
-        Column("content_type", Text, nullable=False),
-        Column("payload", LargeBinary, nullable=False),
+        # Both NULL for a tombstone (a null Kafka value: deletes the key when compacted).
+        Column("content_type", Text, nullable=True),
+        Column("payload", LargeBinary, nullable=True),
         # SHA-256 over topic, key, type and payload: detects a reused event_id.
         Column("fingerprint", LargeBinary, nullable=False),
     ]
@@ -116,8 +121,9 @@ def _events(md: MetaData, prefix: str) -> Table:
             "id",
             postgresql_where=text("published_at IS NULL"),
         ),
-        # SQLAlchemy cannot express table storage parameters; the migration applies
-        # HOT_TABLE_STORAGE with ALTER TABLE ... SET and `outbox doctor` checks them.
+        # SQLAlchemy (before 2.1) cannot express table storage parameters: the migration
+        # applies them with ALTER TABLE ... SET (set_storage_sql), so does the hook for
+        # users' own Alembic (outbox/ops/alembic_env.py), and `outbox doctor` checks them.
         info={"storage": HOT_TABLE_STORAGE},
     )
 
@@ -314,6 +320,37 @@ def _effects(md: MetaData, prefix: str) -> Table:
         ),
         Index(f"{name}_state_idx", "state", "updated_at"),
     )
+
+
+# ------------------------------------------------------------- storage parameters
+
+
+def hot_tables(tables: Tables) -> list[Table]:
+    """The tables that carry storage parameters (``info["storage"]``)."""
+    return [t for t in tables.metadata.sorted_tables if t.info.get("storage")]
+
+
+def storage_differences(table: Table, reloptions: Iterable[str]) -> dict[str, str]:
+    """The storage parameters ``table`` should have that its ``pg_class.reloptions``
+    (``["fillfactor=90", ...]``) lack or set to another value."""
+    have = dict(option.split("=", 1) for option in reloptions)
+    want: Mapping[str, str] = table.info.get("storage", {})
+    return {k: v for k, v in want.items() if k not in have or float(have[k]) != float(v)}
+
+
+def set_storage_sql(table: Table, storage: Mapping[str, str]) -> str:
+    """``ALTER TABLE "schema"."table" SET (name = value, ...)`` (no trailing semicolon)."""
+    settings = ", ".join(f"{k} = {v}" for k, v in storage.items())
+    return f"ALTER TABLE {_quoted(table)} SET ({settings})"
+
+
+def reset_storage_sql(table: Table, names: Iterable[str]) -> str:
+    """``ALTER TABLE "schema"."table" RESET (name, ...)``: back to PostgreSQL's defaults."""
+    return f"ALTER TABLE {_quoted(table)} RESET ({', '.join(names)})"
+
+
+def _quoted(table: Table) -> str:
+    return str(postgresql.dialect().identifier_preparer.format_table(table))  # type: ignore[no-untyped-call]
 
 
 @cache

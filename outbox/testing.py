@@ -36,12 +36,16 @@ class PublishedEvent:
     key: str | None
     event_type: str
     source: str
-    payload: bytes
+    payload: bytes | None  # None: a tombstone (``payload=outbox.TOMBSTONE``)
     headers: dict[str, str] = field(default_factory=dict)
 
+    @property
+    def is_tombstone(self) -> bool:
+        return self.payload is None
+
     def json(self) -> Any:
-        """The payload parsed as JSON."""
-        return json.loads(self.payload)
+        """The payload parsed as JSON (None for a tombstone)."""
+        return None if self.payload is None else json.loads(self.payload)
 
     @property
     def sequence(self) -> int | None:
@@ -59,7 +63,7 @@ def _decode(row: Any) -> PublishedEvent:
         key=None if key is None else bytes(key).decode("utf-8", errors="replace"),
         event_type=event_type,
         source=source,
-        payload=bytes(payload),
+        payload=None if payload is None else bytes(payload),
         headers=dict(headers or {}),
     )
 

@@ -14,16 +14,14 @@ import contextlib
 import logging
 from wsgiref.simple_server import WSGIServer
 
-import psycopg
-
 from outbox.daemon import serve_http, stop_on_signals
-from outbox.db import unavailable
-from outbox.errors import ConfigurationError, TopicMissing
+from outbox.errors import ConfigurationError, DatabaseUnavailable, TopicMissing
 from outbox.ops.topics import relay_topics
+from outbox.poolers import SessionProbe
 from outbox.resilience.retry import RetryPolicy
 from outbox.settings import OutboxSettings
 from relay.kafka_state import KafkaState
-from relay.lanes import LaneManager
+from relay.lanes import LaneManager, check_session
 from relay.maintenance import run_maintenance
 from relay.metrics import RelayMetrics
 from relay.pipeline import Pipeline
@@ -40,6 +38,7 @@ class Relay:
     """``await Relay(settings).serve()`` runs until SIGTERM/SIGINT; ``run()`` until ``stop()``."""
 
     def __init__(self, settings: OutboxSettings, *, metrics_port: int | None = None) -> None:
+        settings = settings.for_relay()  # its own URL, when relay.database_url is set
         self.settings = settings
         self.metrics = RelayMetrics(lanes=settings.lanes)
         self._metrics_port = metrics_port
@@ -49,6 +48,7 @@ class Relay:
         self._kafka = KafkaState(RetryPolicy.from_settings(settings.retry), self.metrics)
         self._stopping: asyncio.Event | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        self._session: SessionProbe | None = None
 
     def stop(self) -> None:
         """Ask the relay to finish its in-flight batches and exit."""
@@ -76,20 +76,15 @@ class Relay:
 
     async def preflight(self) -> None:
         """Fail fast, before taking lanes, on what no retry can fix: the database or Kafka
-        refusing this configuration (credentials, unknown database, TLS) and the topics of
+        refusing this configuration (credentials, unknown database, TLS), a transaction
+        pooler in front of the database (see relay/lanes.py) and the topics of
         ``topics.names`` missing. Transient trouble (a database still starting, Kafka down)
-        is left to the loops, which retry with backoff."""
+        is left to the loops, which retry with backoff (and probe the session then)."""
         s = self.settings
         try:
-            conn = await psycopg.AsyncConnection.connect(
-                s.libpq_dsn, connect_timeout=_PREFLIGHT_SECONDS, application_name="outbox-relay"
-            )
-        except psycopg.Error as exc:
-            error = unavailable(exc)
-            if not error.retriable:
-                raise error from None
-        else:
-            await conn.close()
+            self._session = await check_session(s)
+        except DatabaseUnavailable as exc:
+            log.debug("database not ready at start", extra={"error": str(exc)})
         try:
             await asyncio.wait_for(self._publisher.ensure_started(), _PREFLIGHT_SECONDS)
         except ConfigurationError:  # refused by Kafka, or client settings that cannot work
@@ -116,6 +111,7 @@ class Relay:
             extra={
                 "relay_id": self.lanes.relay_id,
                 "database": s.safe_database_url,
+                "session": self._session.describe() if self._session else None,
                 "kafka": s.kafka_bootstrap_servers,
                 "pipelines": s.relay.pipelines,
                 "batch_size": s.relay.batch_size,

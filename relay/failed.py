@@ -29,7 +29,7 @@ class FailedRow:
     attempts: int
     last_error: str | None
     failed_at: dt.datetime
-    payload_bytes: int
+    payload_bytes: int | None  # None: a tombstone
 
 
 @contextmanager

@@ -8,6 +8,13 @@ Each relay keeps one dedicated, long-lived connection (autocommit) holding:
 * one session lock ``(lanes_ns, lane)`` per owned lane. PostgreSQL releases them when the
   connection dies, so a crashed relay's lanes are free for the others at once.
 
+Both locks belong to the *session*, so the lock connection must be a session of its own:
+PostgreSQL itself or a session pooler. Behind a transaction pooler the next statement may
+run on another client's server session, and two relays could own one lane. Each time the
+connection is made it is probed (``outbox/poolers.py``) and the relay refuses to run with
+:class:`~outbox.errors.PoolerUnsupported` (exit 2) when it is not a session of its own;
+every heartbeat also checks that the backend which joined is still the one answering.
+
 Every ``heartbeat_seconds`` the manager rebalances: target share = ceil(lanes / live
 relays); a relay above its share releases extras, one below tries free lanes (those no one
 holds first, in random order so that concurrent relays do not all race for the same lane).
@@ -32,8 +39,9 @@ from dataclasses import dataclass
 import psycopg
 
 from outbox.db import unavailable
-from outbox.errors import DatabaseUnavailable, SchemaMissing
+from outbox.errors import DatabaseUnavailable, PoolerUnsupported, SchemaMissing
 from outbox.outages import Dependency
+from outbox.poolers import SessionProbe, probe_session, refusal
 from outbox.resilience.retry import RetryPolicy
 from outbox.settings import OutboxSettings
 from relay.metrics import RelayMetrics
@@ -41,6 +49,29 @@ from relay.store import RelayStore
 from relay.waiting import sleep_unless
 
 log = logging.getLogger("relay.lanes")
+
+
+def pooler_refusal(through: str) -> PoolerUnsupported:
+    return refusal(
+        "the relay",
+        through,
+        "lane ownership lives in session advisory locks, which a transaction pooler shares "
+        "between clients",
+        "OUTBOX_RELAY__DATABASE_URL",
+    )
+
+
+async def check_session(
+    settings: OutboxSettings, conn: psycopg.AsyncConnection[tuple[object, ...]] | None = None
+) -> SessionProbe:
+    """What the relay's URL goes through; :class:`PoolerUnsupported` unless it is a session
+    of its own (``db_pooler=transaction`` is taken at its word, without a probe)."""
+    if settings.db_pooler == "transaction":
+        raise pooler_refusal("a transaction pooler (OUTBOX_DB_POOLER=transaction)")
+    probe = await probe_session(settings, conn=conn)
+    if not probe.stable:
+        raise pooler_refusal(probe.describe())
+    return probe
 
 
 @dataclass(frozen=True)
@@ -87,6 +118,7 @@ class LaneManager:
         self._metrics = metrics
         self.relay_id = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
         self._conn: psycopg.AsyncConnection[tuple[object, ...]] | None = None
+        self._backend = 0  # the lock connection's backend pid, from its join
         self._owned: frozenset[int] = frozenset()
         self._changed = asyncio.Event()
         self._retry = RetryPolicy.from_settings(settings.retry)
@@ -115,13 +147,27 @@ class LaneManager:
     # -- connection -----------------------------------------------------------------------------
     async def _connect(self) -> psycopg.AsyncConnection[tuple[object, ...]]:
         try:
+            # Unprepared statements: one heartbeat a second gains nothing from a plan
+            # cache, and nothing is left on a server session (see pipeline._connect).
             conn = await psycopg.AsyncConnection.connect(
-                self._settings.libpq_dsn, autocommit=True, application_name="outbox-relay-lanes"
+                self._settings.libpq_dsn,
+                autocommit=True,
+                prepare_threshold=None,
+                application_name="outbox-relay-lanes",
             )
         except psycopg.Error as exc:
             # The cause (SQLSTATE, libpq's reason), never the DSN.
             raise unavailable(exc) from None
-        await conn.execute(self._store.join)
+        try:
+            probe = await check_session(self._settings, conn)
+            log.debug("lock connection", extra={"session": probe.describe()})
+            cur = await conn.execute(self._store.join)
+            row = await cur.fetchone()
+        except BaseException:
+            await conn.close()
+            raise
+        assert row is not None
+        self._backend = int(row[0])  # type: ignore[call-overload]
         return conn
 
     async def _drop(self) -> None:
@@ -166,6 +212,13 @@ class LaneManager:
         row = await cur.fetchone()
         assert row is not None
         live, held_any = int(row[0]), set(row[1])  # type: ignore[call-overload]
+        if row[2] != self._backend:
+            # The locks stayed with the backend that took them: this relay owns nothing.
+            await self._drop()
+            raise pooler_refusal(
+                f"a connection pooler (the lock connection moved from backend {self._backend} "
+                f"to {row[2]} between two statements)"
+            )
         plan = rebalance(self._owned, held_any, live, lanes_total)
         owned = set(self._owned)
         if plan.release:

@@ -42,7 +42,7 @@ from relay.publisher import Outcome, Publisher
 from relay.store import (
     ATTEMPTS,
     CE_ID,
-    CLAIM_CONNECTION_OPTIONS,
+    CLAIM_SESSION_SETTINGS,
     ID,
     TOPIC,
     ClaimedRow,
@@ -156,14 +156,24 @@ class Pipeline:
 
     async def _connect(self) -> psycopg.AsyncConnection[tuple[Any, ...]]:
         try:
-            return await psycopg.AsyncConnection.connect(
+            # No server-side prepared statements: the claim is never prepared (see
+            # _batch), and preparing BEGIN, COMMIT and the rare restore saves nothing,
+            # while behind a pooler that slipped past the lanes' probe a prepared
+            # statement fails on the next server session with a misleading error.
+            conn = await psycopg.AsyncConnection.connect(
                 self._settings.libpq_dsn,
                 autocommit=True,
+                prepare_threshold=None,
                 application_name=f"outbox-relay-{self._index}",
-                options=CLAIM_CONNECTION_OPTIONS,
             )
         except psycopg.Error as exc:
             raise unavailable(exc) from None
+        try:
+            await conn.execute(CLAIM_SESSION_SETTINGS)
+        except BaseException:
+            await conn.close()
+            raise
+        return conn
 
     async def _close(self) -> None:
         conn, self._conn = self._conn, None

@@ -320,18 +320,20 @@ class Publisher:
                 outcome.failed[i] = parts
                 continue
             key: bytes | None = row[KEY]
-            payload: bytes = row[PAYLOAD]
+            payload: bytes | None = row[PAYLOAD]  # None: a tombstone
             headers = [
                 ("ce_id", row[CE_ID].encode()),
                 ("ce_type", row[EVENT_TYPE].encode()),
                 ("ce_source", row[SOURCE].encode()),
                 ("ce_time", row[CE_TIME].encode()),
                 ("ce_specversion", _SPEC),
-                ("content-type", row[CONTENT_TYPE].encode()),
             ]
+            if row[CONTENT_TYPE] is not None:  # a tombstone has no content to describe
+                headers.append(("content-type", row[CONTENT_TYPE].encode()))
+            own = len(headers)
             if row[HEADERS] != "{}":
                 headers.extend((k, v.encode()) for k, v in json.loads(row[HEADERS]).items())
-            size = len(payload) + (len(key) if key else 0) + sum(len(v) for _, v in headers[6:])
+            size = len(payload or b"") + len(key or b"") + sum(len(v) for _, v in headers[own:])
             if size > limit:
                 outcome.failed[i] = RecordTooLarge(size, limit)
                 continue

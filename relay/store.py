@@ -48,14 +48,15 @@ ATTEMPTS, FINGERPRINT = 11, 12
 
 ClaimedRow = tuple[Any, ...]
 
-# Session options of the relay's claim connections. The outbox swings between empty, huge
+# Session settings of the relay's claim connections. The outbox swings between empty, huge
 # and full of dead tuples, so table statistics are usually wrong; the planner then likes a
 # bitmap scan + sort per lane, which reads every row of the lane (dead ones included, and a
 # bitmap scan never marks them dead in the index) — measured 120 ms for an empty poll after
 # a 200k drain. The ordered index scan on (lane, id) WHERE published_at IS NULL is always
 # the right plan for these statements: it stops at LIMIT and kills dead index entries as
-# it passes, so the next poll is fast.
-CLAIM_CONNECTION_OPTIONS = "-c enable_bitmapscan=off -c enable_seqscan=off"
+# it passes, so the next poll is fast. Set by a statement after connecting, not as the
+# `options` startup parameter: PgBouncer refuses that one, even in session mode.
+CLAIM_SESSION_SETTINGS = b"SET enable_bitmapscan = off; SET enable_seqscan = off"
 
 _CE_TIME = "to_char({t}.created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"')"
 
@@ -229,17 +230,20 @@ class RelayStore:
     # -- lanes and membership ------------------------------------------------------------
     @cached_property
     def join(self) -> sql.Composed:
-        """Session lock marking this connection as a live relay (membership)."""
-        return sql.SQL("SELECT pg_advisory_lock({ns}, pg_backend_pid())").format(
+        """Session lock marking this connection as a live relay (membership); returns the
+        backend pid, which every :attr:`cluster_view` checks."""
+        return sql.SQL("SELECT pg_backend_pid(), pg_advisory_lock({ns}, pg_backend_pid())").format(
             ns=sql.Literal(self._ns[1])
         )
 
     @cached_property
     def cluster_view(self) -> sql.Composed:
-        """(live relays, lanes held by anyone) from pg_locks: no heartbeat delay at all."""
+        """(live relays, lanes held by anyone, this backend's pid) from pg_locks: no
+        heartbeat delay at all."""
         return sql.SQL(
             "SELECT count(DISTINCT pid) FILTER (WHERE classid::int8 = {members}),"
-            " coalesce(array_agg(objid::int4) FILTER (WHERE classid::int8 = {lanes}), '{{}}')"
+            " coalesce(array_agg(objid::int4) FILTER (WHERE classid::int8 = {lanes}), '{{}}'),"
+            " pg_backend_pid()"
             " FROM pg_locks WHERE locktype = 'advisory' AND granted AND objsubid = 2"
             " AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"
         ).format(members=sql.Literal(self._ns[1]), lanes=sql.Literal(self._ns[0]))

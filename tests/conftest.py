@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import ExitStack
 
 import psycopg
 import pytest
@@ -18,6 +19,7 @@ from outbox.db import async_engine as make_async_engine
 from outbox.db import sync_engine
 from outbox.settings import OutboxSettings
 from tests.support import kafka as kafka_support
+from tests.support.pgbouncer import PgBouncer, PgBouncerFailed, pgbouncer
 from tests.support.services import Endpoints, Secured, ServiceUnavailable, endpoints
 
 
@@ -37,6 +39,26 @@ def secured(services: Endpoints) -> Secured:
         return services.require_secured()
     except ServiceUnavailable as exc:
         pytest.fail(f"secured test services unavailable: {exc}", pytrace=False)
+
+
+@pytest.fixture(scope="session")
+def pgbouncers(services: Endpoints) -> Iterator[Callable[[str, int], PgBouncer]]:
+    """``pgbouncers("transaction", 3)``: a PgBouncer in that pool mode with that many server
+    connections, in front of the test PostgreSQL (any database name), started once per
+    session. A missing pgbouncer binary fails the test."""
+    started: dict[tuple[str, int], PgBouncer] = {}
+    with ExitStack() as stack:
+
+        def get(mode: str, pool_size: int) -> PgBouncer:
+            if (mode, pool_size) not in started:
+                try:
+                    bouncer = pgbouncer(services.database_url, mode, pool_size)
+                    started[mode, pool_size] = stack.enter_context(bouncer)
+                except PgBouncerFailed as exc:
+                    pytest.fail(str(exc), pytrace=False)
+            return started[mode, pool_size]
+
+        yield get
 
 
 def _admin_dsn(url: str, dbname: str) -> str:

@@ -14,7 +14,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
-from pydantic import BaseModel
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 from sqlalchemy.pool import NullPool
 
@@ -25,7 +24,7 @@ from inbox.metrics import Metrics
 from inbox.processor import PartitionProcessor
 from inbox.store import InboxStore
 from outbox.db import async_engine
-from outbox.envelope import SEQUENCE_HEADER, encode_payload
+from outbox.envelope import SEQUENCE_HEADER, TOMBSTONE, Payload, encode_payload
 from outbox.resilience.retry import RetryPolicy
 from outbox.settings import OutboxSettings
 from outbox.tables import build_tables
@@ -145,7 +144,7 @@ class InboxHarness:
     def event(
         self,
         event_type: str,
-        payload: BaseModel | Mapping[str, Any] | list[Any] | bytes,
+        payload: Payload,
         *,
         key: str | bytes | None = None,
         event_id: str | uuid.UUID | None = None,
@@ -153,14 +152,15 @@ class InboxHarness:
         headers: Mapping[str, str] | None = None,
         sequence: int | None = None,
     ) -> InboxEvent:
-        """An event as the relay would put it on Kafka (CloudEvents binary headers)."""
+        """An event as the relay would put it on Kafka (CloudEvents binary headers);
+        ``payload=outbox.TOMBSTONE`` makes a tombstone (null value, no content type)."""
         value, content_type = encode_payload(payload)
         all_headers = [
             ("ce_id", str(event_id or uuid.uuid4()).encode()),
             ("ce_type", event_type.encode()),
             ("ce_source", b"urn:test"),
             ("ce_specversion", b"1.0"),
-            ("content-type", content_type.encode()),
+            *([("content-type", content_type.encode())] if content_type is not None else []),
             *((name, text.encode()) for name, text in (headers or {}).items()),
         ]
         if sequence is not None:
@@ -179,7 +179,7 @@ class InboxHarness:
 
     def record(
         self,
-        value: BaseModel | Mapping[str, Any] | list[Any] | bytes | None,
+        value: Payload | None,
         *,
         key: str | bytes | None = None,
         headers: Mapping[str, str | bytes] | None = None,
@@ -202,7 +202,7 @@ class InboxHarness:
     async def deliver(
         self,
         event: InboxEvent | PublishedEvent | Record | str,
-        payload: BaseModel | Mapping[str, Any] | list[Any] | bytes | None = None,
+        payload: Payload | None = None,
         **fields: Any,
     ) -> Delivery:
         """Deliver ``event`` and handle it to the end: committed, skipped as a duplicate,
@@ -249,7 +249,7 @@ class InboxHarness:
         sequence = headers.pop(SEQUENCE_HEADER, None)
         return self.event(
             event.event_type,
-            event.payload,
+            TOMBSTONE if event.payload is None else event.payload,
             key=event.key,
             event_id=event.event_id,
             topic=event.topic,

@@ -3,7 +3,10 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from alembic import context
+from alembic.runtime.migration import MigrationContext, MigrationInfo
 from sqlalchemy.schema import CreateSchema
 
 from outbox.db import sync_engine
@@ -11,11 +14,21 @@ from outbox.migrations.naming import settings_of, version_table
 from outbox.settings import OutboxSettings
 
 
+def _report(ctx: MigrationContext, step: MigrationInfo, heads: Any, run_args: Any) -> None:
+    """Tell the caller's ``progress`` (see :func:`outbox.migrate.upgrade`) what was applied."""
+    progress = context.config.attributes.get("progress")
+    revision = step.up_revision
+    if progress is not None and step.is_upgrade and revision is not None:
+        title = str(getattr(revision, "doc", "") or "").strip().splitlines()  # a Script
+        progress(f"applied {revision.revision}: {title[0] if title else ''}")
+
+
 def _configure(settings: OutboxSettings, **kwargs: object) -> None:
     context.configure(
         version_table=version_table(settings),
         version_table_schema=settings.db_schema,
         transactional_ddl=True,
+        on_version_apply=_report,
         **kwargs,  # type: ignore[arg-type]
     )
 

@@ -1,11 +1,14 @@
 """Deployment checks behind ``outbox doctor``: each finding says what is wrong and what to do.
 
-Checks: migrations at head; every declared index present and valid (the claim index is an
+Checks: migrations at head (or, for tables your own Alembic history manages, no drift from
+the declared tables); every declared index present and valid (the claim index is an
 error, the others warnings) and the claim index not bloated; autovacuum storage parameters
 on the hot tables; sessions idle in a transaction that hold back the xmin horizon; dead
 tuple ratio of the framework's tables; Kafka reachable and every topic with pending rows
 (or named by the caller) present with the expected partition count; relay heartbeats and
-lane coverage; clock skew between this host and the database.
+lane coverage; clock skew between this host and the database; what each database URL goes
+through (PostgreSQL itself, or a pooler in session or transaction mode) and which components
+may use it.
 """
 
 from __future__ import annotations
@@ -17,7 +20,9 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from typing import Any, Literal
 
-from sqlalchemy import Index, Table
+from alembic.autogenerate import compare_metadata
+from alembic.runtime.migration import MigrationContext
+from sqlalchemy import Connection, Index
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from sqlalchemy.schema import CreateIndex
@@ -28,8 +33,9 @@ from outbox.errors import OutboxError
 from outbox.ops.kafka_probe import KafkaProbe
 from outbox.ops.lag import default_stale_after
 from outbox.ops.store import OpsStore
+from outbox.poolers import SessionProbe, probe_session
 from outbox.settings import OutboxSettings
-from outbox.tables import Tables, build_tables
+from outbox.tables import Tables, build_tables, hot_tables, set_storage_sql, storage_differences
 
 Level = Literal["ok", "warn", "error"]
 _DIALECT = postgresql.dialect()  # type: ignore[no-untyped-call]
@@ -79,13 +85,22 @@ def _qualified(tables: Tables, name: str) -> str:
     return f"{prep.quote_schema(tables.schema or 'public')}.{prep.quote(name)}"
 
 
+def _difference(diff: Any) -> str:
+    """One entry of Alembic's ``compare_metadata``, e.g. ``modify_nullable
+    outbox_events.payload`` (a list groups the changes of one column)."""
+    first = diff[0] if isinstance(diff, list) else diff
+    kind, *args = first
+    if kind.startswith("modify_"):
+        return f"{kind} {args[1]}.{args[2]}"
+    if kind in ("add_column", "remove_column"):
+        return f"{kind} {args[1]}.{args[2].name}"
+    named = [getattr(a, "name", None) for a in args]
+    return f"{kind} {next((n for n in named if n), '')}".strip()
+
+
 def _create_index_sql(index: Index) -> str:
     ddl = str(CreateIndex(index).compile(dialect=_DIALECT)).strip()
     return ddl.replace("CREATE INDEX ", "CREATE INDEX CONCURRENTLY ", 1) + ";"
-
-
-def _hot_tables(tables: Tables) -> list[Table]:
-    return [t for t in tables.metadata.sorted_tables if t.info.get("storage")]
 
 
 class _Doctor:
@@ -103,17 +118,24 @@ class _Doctor:
         self.findings.append(Finding(check, level, what, action, details))
 
     # -- checks ---------------------------------------------------------------------------
-    async def migrations(self) -> bool:
+    async def migrations(self, conn: AsyncConnection) -> bool:
         current = await asyncio.to_thread(migrate.current, self.settings)
         head = migrate.head()
         if current is None:
-            self.add(
-                "migrations",
-                "error",
-                f"no outbox tables in schema {self.schema!r}",
-                "run `outbox db upgrade`",
+            events = self.tables.events.name
+            found = await conn.execute(
+                self.store.reloptions, {"schema": self.schema, "names": [events]}
             )
-            return False
+            if found.first() is None:
+                self.add(
+                    "migrations",
+                    "error",
+                    f"no outbox tables in schema {self.schema!r}",
+                    "run `outbox db upgrade`",
+                )
+                return False
+            await self.own_history(conn)
+            return True
         if current != head:
             self.add(
                 "migrations",
@@ -126,6 +148,101 @@ class _Doctor:
         else:
             self.add("migrations", "ok", f"at head revision {head}")
         return True
+
+    async def own_history(self, conn: AsyncConnection) -> None:
+        """The tables exist without our version table: the user's own Alembic history
+        manages them. Compare them with what this package declares."""
+        drift = await conn.run_sync(self._drift)
+        if drift:
+            more = f"; and {len(drift) - 5} more" if len(drift) > 5 else ""
+            shown = "; ".join(drift[:5]) + more
+            self.add(
+                "migrations",
+                "warn",
+                f"the outbox tables (managed by your own Alembic history) differ from what this "
+                f"version of outbox-inbox declares: {shown}",
+                "autogenerate a revision with outbox.build_tables(settings).metadata in "
+                "target_metadata and apply it (or use `outbox db upgrade` instead)",
+                differences=drift,
+            )
+        else:
+            self.add(
+                "migrations",
+                "ok",
+                "outbox tables managed by your own Alembic history match this version's",
+            )
+
+    def _drift(self, conn: Connection) -> list[str]:
+        ours = {t.name for t in self.tables.metadata.sorted_tables}
+        default = conn.dialect.default_schema_name  # Alembic names it None
+        context = MigrationContext.configure(
+            conn,
+            opts={
+                "include_schemas": True,
+                "include_name": lambda name, type_, parent: (
+                    type_ != "schema" or (name or default) == self.schema
+                ),
+                "include_object": lambda obj, name, type_, reflected, compare_to: (
+                    type_ != "table" or name in ours
+                ),
+                "compare_server_default": True,
+            },
+        )
+        return [_difference(d) for d in compare_metadata(context, self.tables.metadata)]
+
+    async def poolers(self) -> None:
+        """What each configured database URL goes through, and who may use it: anything may
+        use a session of its own; behind a transaction pooler producers need
+        ``db_pooler=transaction`` (consumers switch by themselves) and the relay refuses."""
+        s = self.settings
+        probe = await probe_session(s)
+        details = _pooler_details("database_url", probe)
+        if probe.stable:
+            what = f"database_url: {probe.describe()}; every component may use it"
+            if s.db_pooler == "transaction":
+                what += " (OUTBOX_DB_POOLER=transaction: prepared statements off anyway)"
+            self.add("pooler", "ok", what, **details)
+        else:
+            own_relay_url = s.relay.database_url is not None
+            todo = []
+            if s.db_pooler != "transaction":
+                todo.append(
+                    "set OUTBOX_DB_POOLER=transaction wherever this URL is used: psycopg's "
+                    "prepared statements fail behind it (consumers turn them off by themselves)"
+                )
+            if not own_relay_url:
+                todo.append(
+                    "set OUTBOX_RELAY__DATABASE_URL to a direct or session-pooled URL of the "
+                    "same database: the relay refuses this one"
+                )
+            level: Level = "error" if not own_relay_url else "warn" if todo else "ok"
+            relay = "the relay uses relay.database_url" if own_relay_url else "the relay may not"
+            what = (
+                f"database_url: {probe.describe()}; producers, consumers and operator tools "
+                f"may use it, {relay}"
+            )
+            self.add("pooler", level, what, "; ".join(todo) or None, **details)
+        for name, url in (
+            ("relay.database_url", s.relay.database_url),
+            ("consumer.database_url", s.consumer.database_url),
+        ):
+            if url is not None:
+                await self._daemon_url(name, s.model_copy(update={"database_url": url}))
+
+    async def _daemon_url(self, name: str, settings: OutboxSettings) -> None:
+        try:
+            probe = await probe_session(settings)
+        except OutboxError as exc:
+            self.add("pooler", "error", f"{name}: {exc}", f"check {name}", url=name)
+            return
+        details = _pooler_details(name, probe)
+        if name.startswith("relay") and not probe.stable:
+            what = f"{name}: {probe.describe()}; the relay refuses it"
+            action = "point it at a direct or session-pooled URL of the same database"
+            self.add("pooler", "error", what, action, **details)
+        else:
+            who = "the relay" if name.startswith("relay") else "consumers"
+            self.add("pooler", "ok", f"{name}: {probe.describe()}; {who} may use it", **details)
 
     async def indexes(self, conn: AsyncConnection, pending: int) -> None:
         declared = {i.name: i for t in self.tables.metadata.sorted_tables for i in t.indexes}
@@ -176,23 +293,24 @@ class _Doctor:
             self.add("index", "ok", f"{len(declared)} indexes present and valid")
 
     async def storage(self, conn: AsyncConnection) -> None:
-        hot = _hot_tables(self.tables)
+        hot = hot_tables(self.tables)
         rows = await conn.execute(
             self.store.reloptions, {"schema": self.schema, "names": [t.name for t in hot]}
         )
-        actual = {r.name: dict(o.split("=", 1) for o in r.options) for r in rows}
+        actual = {r.name: list(r.options) for r in rows}
         for table in hot:
-            want: dict[str, str] = table.info["storage"]
-            have = actual.get(table.name, {})
-            wrong = {k: v for k, v in want.items() if k not in have or float(have[k]) != float(v)}
+            reloptions = actual.get(table.name, [])
+            wrong = storage_differences(table, reloptions)
             if wrong:
-                settings_sql = ", ".join(f"{k} = {v}" for k, v in wrong.items())
+                have = dict(option.split("=", 1) for option in reloptions)
                 current = ", ".join(f"{k}={have.get(k, 'default')}" for k in wrong)
                 self.add(
                     "autovacuum",
                     "warn",
-                    f"{table.name}: storage parameters differ from the recommended ({current})",
-                    f"ALTER TABLE {_qualified(self.tables, table.name)} SET ({settings_sql});",
+                    f"{table.name}: storage parameters differ from what `outbox db upgrade` "
+                    f"sets ({current}): the queue table bloats and claims slow down",
+                    f"{set_storage_sql(table, wrong)}; (own Alembic history: see "
+                    "outbox.ops.alembic_env.storage_directives)",
                     table=table.name,
                     expected=wrong,
                 )
@@ -390,15 +508,20 @@ class _Doctor:
                 self.add("topic", "ok", f"topic {topic!r}: {have} partitions", topic=topic)
 
 
+def _pooler_details(url: str, probe: SessionProbe) -> dict[str, Any]:
+    return {"url": url, "mode": probe.mode, "pooler": probe.pooler, "address": probe.address}
+
+
 async def diagnose(
     engine: AsyncEngine, settings: OutboxSettings, options: DoctorOptions | None = None
 ) -> list[Finding]:
     """Run every check; failures to reach a service become findings, not exceptions."""
     doctor = _Doctor(settings, options or DoctorOptions())
     try:
-        have_tables = await doctor.migrations()
         with translated_errors():
             async with engine.connect() as conn:
+                have_tables = await doctor.migrations(conn)
+                await doctor.poolers()
                 await doctor.clock(conn)
                 await doctor.tls(conn)
                 await doctor.idle_transactions(conn)

@@ -6,30 +6,42 @@ relay's topics and each consumer's topics and dead-letter topics. This does it, 
 * a missing topic is created with the partitions asked for (``NAME:PARTITIONS``, else
   ``topics.partitions``) and a replication factor of ``topics.replication_factor`` capped
   by the number of brokers (a one-broker development cluster gets 1, never an error);
-* a dead-letter topic gets its source topic's partition count;
+* ``NAME:compact`` (or ``NAME:PARTITIONS:compact``) creates a compacted topic
+  (``cleanup.policy=compact``): Kafka keeps the latest record of each key, and a tombstone
+  (``payload=outbox.TOMBSTONE``) deletes the key;
+* a dead-letter topic gets its source topic's partition count (never compaction: dead
+  letters are kept by time, not by key);
 * an existing topic is left alone and reported as ``exists`` — with fewer partitions than
-  explicitly asked for it is reported as ``too_few_partitions`` (a problem, not fixed here:
-  adding partitions moves keys to other partitions, which breaks per-key order across the
-  change; that is an operator's decision).
+  explicitly asked for it is reported as ``too_few_partitions``, and without compaction
+  when it was asked for as ``not_compacted`` (problems, not fixed here: adding partitions
+  moves keys to other partitions, which breaks per-key order across the change, and a
+  cleanup policy decides which data Kafka deletes; both are an operator's decision).
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Literal
 
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-from aiokafka.errors import KafkaError, TopicAlreadyExistsError, TopicAuthorizationFailedError
+from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
+from aiokafka.errors import (
+    KafkaError,
+    TopicAlreadyExistsError,
+    TopicAuthorizationFailedError,
+    for_code,
+)
 
 from outbox import identifiers
 from outbox.daemon import kafka_admin, kafka_refusal, partition_counts, start_kafka, topic_error
 from outbox.errors import BrokerRefused, BrokerUnavailable, ConfigurationError
 from outbox.settings import OutboxSettings
 
-Status = Literal["created", "exists", "too_few_partitions", "failed"]
+Status = Literal["created", "exists", "too_few_partitions", "not_compacted", "failed"]
 _TIMEOUT_S = 15.0
+_POLICY = "cleanup.policy"
 
 
 @dataclass(frozen=True)
@@ -37,6 +49,7 @@ class TopicSpec:
     name: str
     partitions: int | None = None  # None: the settings' default (or the source's, for a DLQ)
     dead_letter_of: str | None = None
+    compact: bool = False  # cleanup.policy=compact (entity state: the latest value per key)
 
 
 @dataclass(frozen=True)
@@ -47,6 +60,7 @@ class TopicResult:
     asked: int | None  # partitions explicitly asked for
     replication_factor: int | None
     detail: str = ""
+    compact: bool = False  # compaction was asked for (and is in place when ok)
 
     @property
     def ok(self) -> bool:
@@ -57,11 +71,20 @@ class TopicResult:
 
 
 def parse_spec(spec: str) -> TopicSpec:
-    """``orders`` or ``orders:12``."""
-    name, sep, count = spec.strip().partition(":")
-    if sep and not (count.isdigit() and int(count) > 0):
-        raise ConfigurationError(f"topic {spec!r}: expected NAME or NAME:PARTITIONS (>= 1)")
-    return TopicSpec(identifiers.kafka_name(name), int(count) if count else None)
+    """``orders``, ``orders:12``, ``customers:compact`` or ``customers:12:compact``."""
+    name, *options = spec.strip().split(":")
+    partitions: int | None = None
+    compact = False
+    for option in options:
+        if option.isdigit() and int(option) > 0 and partitions is None and not compact:
+            partitions = int(option)
+        elif option == "compact" and not compact:
+            compact = True
+        else:
+            raise ConfigurationError(
+                f"topic {spec!r}: expected NAME[:PARTITIONS][:compact] (PARTITIONS >= 1)"
+            )
+    return TopicSpec(identifiers.kafka_name(name), partitions, compact=compact)
 
 
 def relay_topics(settings: OutboxSettings, extra: Iterable[str] = ()) -> list[TopicSpec]:
@@ -92,6 +115,8 @@ def _merge(specs: Sequence[TopicSpec]) -> list[TopicSpec]:
         old = merged.get(spec.name)
         if old is None or (old.partitions is None and spec.partitions is not None):
             merged[spec.name] = spec
+        if old is not None and (old.compact or spec.compact):
+            merged[spec.name] = replace(merged[spec.name], compact=True)
     # Sources before their dead-letter topics: a DLQ copies its source's partition count.
     return sorted(merged.values(), key=lambda s: s.dead_letter_of is not None)
 
@@ -108,6 +133,9 @@ async def ensure(settings: OutboxSettings, specs: Sequence[TopicSpec]) -> list[T
             await asyncio.wait_for(start_kafka(admin, settings), _TIMEOUT_S * 3)
             brokers = len((await admin.describe_cluster())["brokers"])
             existing = await _partitions(admin, [s.name for s in wanted])
+            policies = await _policies(
+                admin, [s.name for s in wanted if s.compact and existing.get(s.name)]
+            )
         except (KafkaError, OSError, TimeoutError) as exc:
             raise BrokerUnavailable(
                 f"Kafka at {settings.kafka_bootstrap_servers} unreachable ({type(exc).__name__})"
@@ -115,7 +143,7 @@ async def ensure(settings: OutboxSettings, specs: Sequence[TopicSpec]) -> list[T
         replication = max(1, min(settings.topics.replication_factor, brokers))
         results = []
         for spec in wanted:
-            result = await _ensure_one(admin, settings, spec, existing, replication)
+            result = await _ensure_one(admin, settings, spec, existing, replication, policies)
             existing[spec.name] = result.partitions
             results.append(result)
         return results
@@ -129,9 +157,24 @@ async def _ensure_one(
     spec: TopicSpec,
     existing: dict[str, int | None],
     replication: int,
+    policies: dict[str, str],
 ) -> TopicResult:
     have = existing.get(spec.name)
     if have is not None:
+        policy = policies.get(spec.name, "")
+        if spec.compact and "compact" not in policy.split(","):
+            return TopicResult(
+                spec.name,
+                "not_compacted",
+                have,
+                spec.partitions,
+                None,
+                f"exists with {_POLICY}={policy or 'delete'}, compact asked: a tombstone would "
+                "not delete its key. Changing the policy changes what Kafka deletes: do it "
+                f"deliberately (kafka-configs.sh --alter --entity-type topics --entity-name "
+                f"{spec.name} --add-config {_POLICY}=compact)",
+                compact=True,
+            )
         if spec.partitions is not None and have < spec.partitions:
             return TopicResult(
                 spec.name,
@@ -143,19 +186,22 @@ async def _ensure_one(
                 "keys (per-key order breaks across the change): "
                 "add them deliberately with kafka-topics.sh --alter, or ask for fewer",
             )
-        return TopicResult(spec.name, "exists", have, spec.partitions, None)
+        return TopicResult(spec.name, "exists", have, spec.partitions, None, compact=spec.compact)
     count = spec.partitions
     if count is None and spec.dead_letter_of is not None:
         count = existing.get(spec.dead_letter_of)
     count = count or settings.topics.partitions
+    configs = {_POLICY: "compact"} if spec.compact else {}
     try:
-        response = await admin.create_topics([NewTopic(spec.name, count, replication)])
+        response = await admin.create_topics(
+            [NewTopic(spec.name, count, replication, topic_configs=configs)]
+        )
         error = topic_error(response, spec.name)
     except KafkaError as exc:
         error = exc
     if isinstance(error, TopicAlreadyExistsError):  # created meanwhile by someone else
         now = (await _partitions(admin, [spec.name])).get(spec.name)
-        return TopicResult(spec.name, "exists", now, spec.partitions, None)
+        return TopicResult(spec.name, "exists", now, spec.partitions, None, compact=spec.compact)
     if error is not None:
         # Not allowed to create topics: no other topic will do either.
         if isinstance(error, TopicAuthorizationFailedError):
@@ -169,11 +215,29 @@ async def _ensure_one(
         return TopicResult(
             spec.name, "failed", None, spec.partitions, replication, _describe(error)
         )
-    return TopicResult(spec.name, "created", count, spec.partitions, replication)
+    return TopicResult(
+        spec.name, "created", count, spec.partitions, replication, compact=spec.compact
+    )
 
 
 async def _partitions(admin: AIOKafkaAdminClient, names: list[str]) -> dict[str, int | None]:
     return partition_counts(await admin.describe_topics(names), names)
+
+
+async def _policies(admin: AIOKafkaAdminClient, names: list[str]) -> dict[str, str]:
+    """``cleanup.policy`` of existing topics (e.g. ``delete``, ``compact,delete``)."""
+    if not names:
+        return {}
+    resources = [ConfigResource(ConfigResourceType.TOPIC, n, {_POLICY: None}) for n in names]
+    found: dict[str, str] = {}
+    for response in await admin.describe_configs(resources):
+        for error_code, _, _, name, entries in response.resources:
+            if error_code != 0:  # e.g. no DESCRIBE_CONFIGS permission: say so, do not guess
+                found[name] = f"unknown ({type(for_code(error_code)()).__name__})"
+            for key, value, *_ in entries:
+                if key == _POLICY:
+                    found[name] = str(value)
+    return found
 
 
 def _describe(error: BaseException) -> str:

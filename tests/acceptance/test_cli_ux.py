@@ -201,11 +201,11 @@ def test_version_and_short_help_everywhere(cli: Cli) -> None:
 
 
 def test_global_options_are_accepted_after_the_sub_command(cli: Cli) -> None:
-    # The acceptance environment sets OUTBOX_LOG_LEVEL=WARNING; INFO lines appear only if
-    # the --log-level written after `upgrade` was applied.
+    # The acceptance environment sets OUTBOX_LOG_LEVEL=WARNING; Alembic's lines appear only
+    # if the --log-level written after `upgrade` was applied (they are DEBUG-only).
     quiet = cli("db", "upgrade")
     assert "Will assume transactional DDL" not in quiet.stderr
-    loud = cli("db", "upgrade", "--log-level", "info")
+    loud = cli("db", "upgrade", "--log-level", "debug")
     assert loud.returncode == 0, loud.stderr
     assert "Will assume transactional DDL" in loud.stderr
 
@@ -229,10 +229,11 @@ def test_env_file_adds_settings_and_the_environment_wins(cli: Cli, tmp_path: Pat
 
 
 def test_json_logs_are_one_object_per_line_with_utc_millisecond_timestamps(cli: Cli) -> None:
-    proc = cli("--json-logs", "--log-level", "info", "db", "upgrade")
+    proc = cli("--json-logs", "--log-level", "debug", "db", "upgrade")
     assert proc.returncode == 0, proc.stderr
     lines = [json.loads(line) for line in proc.stderr.splitlines()]
-    assert len(lines) >= 3  # the notice, alembic's lines, the result
+    assert len(lines) >= 3  # the notice, alembic's lines (at debug), the result
+    assert any(line["logger"].startswith("alembic") for line in lines)
     for line in lines:
         assert TIMESTAMP.match(line["ts"]), line
         assert {"level", "logger", "msg"} <= set(line)
@@ -253,7 +254,41 @@ def test_json_logs_are_one_object_per_line_with_utc_millisecond_timestamps(cli: 
 
 
 def test_human_logs_carry_the_same_timestamps(cli: Cli) -> None:
-    proc = cli("db", "upgrade", "--log-level", "info")
+    proc = cli("db", "upgrade", "--log-level", "debug")
     stamped = [line for line in proc.stderr.splitlines() if "alembic" in line]
     assert stamped
     assert all(TIMESTAMP.match(line.split(" ", 1)[0]) for line in stamped), stamped
+
+
+def test_commands_print_no_alembic_line_at_the_default_level(cli: Cli) -> None:
+    """Alembic's INFO chatter ("Context impl PostgresqlImpl.", "Will assume transactional
+    DDL.") is shown at --log-level debug only; `db upgrade` names what it applied itself."""
+    fresh = Cli(cli.settings.model_copy(update={"db_schema": f"quiet_{os.getpid()}"}))
+    env = {k: v for k, v in fresh.env.items() if k != "OUTBOX_LOG_LEVEL"}  # the default: INFO
+
+    def outbox(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            fresh.command(*args), cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+        )
+
+    def alembic_lines(proc: subprocess.CompletedProcess[str]) -> list[str]:
+        return [
+            line
+            for line in _output(proc).splitlines()
+            if "alembic" in line or "PostgresqlImpl" in line or "transactional DDL" in line
+        ]
+
+    upgrade = outbox("db", "upgrade")
+    assert upgrade.returncode == 0, upgrade.stderr
+    assert alembic_lines(upgrade) == []
+    assert "applied 0001: The outbox events table." in upgrade.stderr
+
+    for args in (("status",), ("db", "current"), ("db", "upgrade")):
+        proc = outbox(*args)
+        assert proc.returncode == 0, _output(proc)
+        assert alembic_lines(proc) == [], args
+    status = outbox("status")
+    assert status.stdout.startswith("database ") and status.stderr == ""
+
+    debug = outbox("status", "--log-level", "debug")
+    assert any("Context impl PostgresqlImpl." in line for line in alembic_lines(debug))

@@ -20,15 +20,14 @@ from sqlalchemy import Engine, text
 
 from outbox.settings import OutboxSettings
 from tests.acceptance.conftest import ROOT, Cli, SchemaFactory
+from tests.support.snippets import snippets
 
 pytestmark = pytest.mark.acceptance
-
-_SNIPPET = re.compile(r"<!-- snippet: (\w+)[^>]*-->\s*```python\n(.*?)```", re.S)
 
 
 def readme_snippets() -> dict[str, str]:
     """Fenced python blocks that follow an ``<!-- snippet: NAME -->`` comment."""
-    found = {m[1]: m[2] for m in _SNIPPET.finditer((ROOT / "README.md").read_text())}
+    found = snippets("README.md")
     assert {"producer", "consumer"} <= set(found), sorted(found)
     return found
 

@@ -1,6 +1,7 @@
 """``outbox topics ensure`` as a subprocess against the real broker: creates the relay's and a
 consumer app's topics (with their dead-letter topics), is idempotent, reports a topic with
-fewer partitions than asked, and refuses bad specs."""
+fewer partitions than asked (or not compacted when compaction is asked), creates compacted
+topics, and refuses bad specs."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import pytest
 from outbox.ops.kafka_probe import KafkaProbe
 from outbox.settings import OutboxSettings
 from tests.acceptance.conftest import Cli
+from tests.support.kafka import cleanup_policies
 
 pytestmark = pytest.mark.acceptance
 
@@ -78,3 +80,32 @@ def test_topics_ensure_with_kafka_down_exits_1(settings: OutboxSettings) -> None
     proc = Cli(down)("topics", "ensure", "--topic", "anything", timeout=60)
     assert proc.returncode == 1
     assert "BrokerUnavailable" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_topics_ensure_creates_compacted_topics_and_reports_one_that_is_not(
+    settings: OutboxSettings,
+) -> None:
+    suffix = uuid.uuid4().hex[:8]
+    compacted, plain = f"ens-state-{suffix}", f"ens-plain-{suffix}"
+    cli = Cli(settings, (("OUTBOX_TOPICS__NAMES", f"{plain}:2"),))
+
+    first = cli.json("topics", "ensure", "--topic", f"{compacted}:2:compact")
+    assert {r["topic"]: (r["status"], r["compact"]) for r in first} == {
+        compacted: ("created", True),
+        plain: ("created", False),
+    }
+    assert _policies(settings, [compacted, plain]) == {compacted: "compact", plain: "delete"}
+
+    again = cli("topics", "ensure", "--topic", f"{compacted}:compact")
+    assert again.returncode == 0, again.stderr
+    assert f"exists   {compacted} (2 partitions, compacted)" in again.stdout
+
+    # Compaction asked of a topic that deletes by time: reported, left alone, exit 1.
+    wrong = cli("topics", "ensure", "--topic", f"{plain}:compact")
+    assert wrong.returncode == 1
+    assert f"PROBLEM  {plain}: exists with cleanup.policy=delete, compact asked" in wrong.stdout
+    assert _policies(settings, [plain]) == {plain: "delete"}
+
+
+def _policies(settings: OutboxSettings, names: list[str]) -> dict[str, str]:
+    return asyncio.run(cleanup_policies(settings.kafka_bootstrap_servers, names))

@@ -15,40 +15,22 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 from sqlalchemy import Engine, text
-from sqlalchemy.orm import Session
 
-from outbox import Message, Outbox, migrate
-from outbox.db import sync_engine
+from outbox import migrate
 from outbox.settings import OutboxSettings
-from tests.support.inbox import effect_rows, effects_table, outbox_cli, subprocess_env, wait_for
+from tests.support.inbox import (
+    effect_rows,
+    effect_verdict,
+    effects_table,
+    outbox_cli,
+    publish_keyed,
+    subprocess_env,
+    wait_for,
+)
 
 pytestmark = pytest.mark.integration
 NewTopic = Callable[..., Awaitable[str]]
 EVENTS, KEYS, CHUNK = 20_000, 100, 200
-
-
-def _publisher(settings: OutboxSettings, topic: str, done: threading.Event) -> None:
-    engine = sync_engine(settings)
-    outbox = Outbox(settings)
-    try:
-        for start in range(0, EVENTS, CHUNK):
-            with Session(engine) as session, session.begin():
-                outbox.publish_many(
-                    session,
-                    [
-                        Message(
-                            topic=topic,
-                            key=f"key-{n % KEYS}",
-                            event_type="test.event",
-                            payload={"key": f"key-{n % KEYS}", "seq": n // KEYS},
-                        )
-                        for n in range(start, start + CHUNK)
-                    ],
-                )
-            done.wait(0.05)  # ~4,000 events/s, so the kills land mid-stream
-    finally:
-        engine.dispose()
-        done.set()
 
 
 async def test_relay_and_consumer_killed_twice_lose_nothing_double_nothing(
@@ -77,7 +59,13 @@ async def test_relay_and_consumer_killed_twice_lose_nothing_double_nothing(
             return int(conn.execute(text(f"SELECT count(*) FROM {table}")).scalar_one())
 
     finished = threading.Event()
-    publisher = threading.Thread(target=_publisher, args=(s, topic, finished), daemon=True)
+    # ~4,000 events/s, so the kills land mid-stream
+    publisher = threading.Thread(
+        target=publish_keyed,
+        args=(s, topic, EVENTS),
+        kwargs={"keys": KEYS, "chunk": CHUNK, "stop": finished},
+        daemon=True,
+    )
     start("relay")
     start("consumer")
     publisher.start()
@@ -104,18 +92,4 @@ async def test_relay_and_consumer_killed_twice_lose_nothing_double_nothing(
         exit_codes = {k: p.wait(60) for k, p in procs.items()}
     assert len(kills) == 4
     assert exit_codes == {"relay": 0, "consumer": 0}
-    rows = effect_rows(engine, table)
-    seen: dict[tuple[str, int], int] = {}
-    for _, key, seq in rows:
-        assert key is not None and seq is not None
-        seen[(key, seq)] = seen.get((key, seq), 0) + 1
-    lost = EVENTS - len(seen)
-    duplicates = sum(c - 1 for c in seen.values())
-    last: dict[str, int] = {}
-    out_of_order = 0
-    for _, key, seq in rows:  # rows in commit (insert id) order
-        assert key is not None and seq is not None
-        if seq < last.get(key, -1):
-            out_of_order += 1
-        last[key] = max(seq, last.get(key, -1))
-    assert (lost, duplicates, out_of_order) == (0, 0, 0)
+    assert effect_verdict(effect_rows(engine, table), EVENTS) == (0, 0, 0)

@@ -9,13 +9,17 @@ import uuid
 
 import pytest
 from pydantic import BaseModel
+from sqlalchemy import Engine
 from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy.orm import Session
 
 import inbox
-from inbox import EventContext, Permanent, Retryable
+from inbox import EventContext, InboxEvent, Permanent, Retryable
 from inbox.envelopes import Debezium
 from inbox.testing import InboxHarness, Record
+from outbox import TOMBSTONE, Outbox
 from outbox.settings import OutboxSettings
+from outbox.testing import published
 
 pytestmark = pytest.mark.integration
 
@@ -146,3 +150,50 @@ async def test_topic_handlers_get_retries_dead_letters_the_guard_and_context(
     assert invalid.dead_letter is not None and invalid.dead_letter.error_class == "ValidationError"
     # Dead letters carry the record as the producer wrote it, not the unwrapped payload.
     assert retried.dead_letter.value == json.dumps(json.dumps({"order_id": -1})).encode()
+
+
+class Profile(BaseModel):
+    name: str
+
+
+async def test_tombstones_reach_handlers_that_take_them_and_dead_letter_the_others(
+    settings: OutboxSettings, engine: Engine
+) -> None:
+    got: list[tuple[str, object]] = []
+    app = inbox.Consumer(name=f"harness-{uuid.uuid4().hex[:8]}", topics=["profiles"])
+
+    @app.handler("profile.state")
+    async def state(profile: Profile | None, session: AsyncSession, ctx: EventContext) -> None:
+        got.append(("state", profile if profile is None else profile.name))
+
+    @app.handler("profile.raw")
+    async def raw(event: InboxEvent, session: AsyncSession) -> None:
+        got.append(("raw", event.value))
+
+    @app.handler("profile.strict")
+    async def strict(profile: Profile, session: AsyncSession) -> None:
+        got.append(("strict", profile.name))
+
+    async with InboxHarness(app, settings) as harness:
+        ada = await harness.deliver("profile.state", Profile(name="Ada"), key="p-1")
+        gone = await harness.deliver("profile.state", TOMBSTONE, key="p-1")
+        raw_gone = await harness.deliver("profile.raw", TOMBSTONE, key="p-1")
+        refused = await harness.deliver("profile.strict", TOMBSTONE, key="p-1")
+        # A tombstone a unit of work published, delivered as the relay would.
+        ob = Outbox(settings)
+        with Session(engine) as session, session.begin():
+            ob.publish(
+                session, topic="profiles", key="p-2", event_type="profile.state", payload=TOMBSTONE
+            )
+            [published_tombstone] = [
+                e for e in published(session, settings, "profiles") if e.key == "p-2"
+            ]
+            session.rollback()
+        from_outbox = await harness.deliver(published_tombstone)
+    assert [d.outcome for d in (ada, gone, raw_gone, from_outbox)] == ["handled"] * 4
+    assert got == [("state", "Ada"), ("state", None), ("raw", None), ("state", None)]
+    assert gone.event.value is None and gone.event.content_type is None
+    assert refused.outcome == "dead_lettered" and refused.dead_letter is not None
+    assert refused.dead_letter.error_class == "TombstoneRefused"
+    assert "Profile | None" in refused.dead_letter.error_message
+    assert refused.dead_letter.value is None and refused.dead_letter.key == b"p-1"

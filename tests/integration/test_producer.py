@@ -11,6 +11,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 from sqlalchemy.orm import Session
 
 from outbox import (
+    TOMBSTONE,
     InvalidIdentifier,
     Message,
     Outbox,
@@ -21,6 +22,7 @@ from outbox import (
     SchemaMissing,
     idempotency_key,
 )
+from outbox.testing import published
 
 pytestmark = pytest.mark.integration
 
@@ -330,6 +332,115 @@ def test_bad_input_rejected(
         session.begin(),
     ):
         ob.publish(session, **kwargs)  # type: ignore[arg-type]
+
+
+NAN, INF = float("nan"), float("inf")
+
+
+@pytest.mark.parametrize(
+    ("payload", "where"),
+    [
+        ({"total": NAN}, "$.total is NaN"),
+        ({"total": INF}, "$.total is Infinity"),
+        ({"order": {"lines": [{"price": 1.0}, {"price": -INF}]}}, "$.order.lines[1].price"),
+        ([0.5, [1.5, NAN]], "$[1][1] is NaN"),
+    ],
+)
+async def test_nan_and_infinity_are_refused_before_anything_is_written(
+    engine: Engine, aengine: AsyncEngine, ob: Outbox, payload: object, where: str
+) -> None:
+    topic = _topic()
+    good = Message(topic=topic, key="k", event_type="t", payload={"total": 1.5})
+    bad = Message(topic=topic, key="k", event_type="t", payload=payload)  # type: ignore[arg-type]
+    with Session(engine) as session, session.begin():
+        session.execute(orders.insert().values(id=abs(hash(topic)) % 10**9, note="kept"))
+        with pytest.raises(PayloadError, match="no JSON representation") as info:
+            ob.publish(session, topic=topic, event_type="t", payload=payload)  # type: ignore[arg-type]
+        assert f"payload {where}" in str(info.value)
+        # One bad message in a batch: none of the batch is written.
+        with pytest.raises(PayloadError, match="no JSON representation"):
+            ob.publish_many(session, [good, bad, good])
+        # The caller's transaction is untouched and commits its own rows.
+    async with AsyncSession(aengine) as asession, asession.begin():
+        with pytest.raises(PayloadError, match="no JSON representation"):
+            await ob.publish_async(asession, topic=topic, event_type="t", payload=payload)  # type: ignore[arg-type]
+        with pytest.raises(PayloadError, match="no JSON representation"):
+            await ob.publish_many_async(asession, [good, bad])
+    assert _count(engine, ob, topic) == 0
+    with engine.connect() as conn:
+        notes = conn.execute(select(orders.c.note).where(orders.c.note == "kept")).scalars()
+        assert "kept" in list(notes)
+
+
+def test_a_tombstone_is_stored_as_null_payload_in_the_keys_lane(
+    engine: Engine, ob: Outbox, settings: OutboxSettings
+) -> None:
+    topic = _topic()
+    events = ob.tables.events
+    with Session(engine) as session, session.begin():
+        created = ob.publish(session, topic=topic, key="c-1", event_type="c.up", payload={"v": 1})
+        # One statement with a JSON payload, raw bytes and a tombstone side by side.
+        ids = ob.publish_many(
+            session,
+            [
+                Message(topic=topic, key="c-1", event_type="c.up", payload={"v": 2}),
+                Message(topic=topic, key="c-2", event_type="c.up", payload=b"raw"),
+                Message(topic=topic, key="c-1", event_type="c.deleted", payload=TOMBSTONE),
+            ],
+        )
+        # A batch of tombstones only (every array element NULL) and a single one.
+        only = ob.publish_many(
+            session, [Message(topic=topic, key="c-3", event_type="c.deleted", payload=TOMBSTONE)]
+        )
+        single = ob.publish(
+            session, topic=topic, key="c-4", event_type="c.deleted", payload=TOMBSTONE
+        )
+        seen = published(session, settings, topic)
+    assert [e.event_id for e in seen] == [created, *ids, *only, single]
+    assert [e.is_tombstone for e in seen] == [False, False, False, True, True, True]
+    assert seen[3].json() is None and seen[0].json() == {"v": 1}
+    with engine.connect() as conn:
+        rows = conn.execute(
+            select(events.c.event_id, events.c.payload, events.c.content_type, events.c.lane)
+            .where(events.c.topic == topic)
+            .order_by(events.c.id)
+        ).all()
+    assert [(r.payload, r.content_type) for r in rows] == [
+        (b'{"v":1}', "application/json"),
+        (b'{"v":2}', "application/json"),
+        (b"raw", "application/octet-stream"),
+        (None, None),
+        (None, None),
+        (None, None),
+    ]
+    assert rows[3].lane == rows[0].lane  # the key's lane: ordered after its updates
+
+    # Publishing the same tombstone again is a no-op; its id with a payload is a mismatch.
+    deleted = ids[2]
+    with Session(engine) as session, session.begin():
+        again = Message(
+            topic=topic, key="c-1", event_type="c.deleted", payload=TOMBSTONE, event_id=deleted
+        )
+        assert ob.publish_many(session, [again]) == [deleted]
+    with pytest.raises(PayloadMismatch), Session(engine) as session, session.begin():
+        ob.publish(
+            session, topic=topic, key="c-1", event_type="c.deleted", payload={}, event_id=deleted
+        )
+    with pytest.raises(PayloadMismatch), Session(engine) as session, session.begin():
+        ob.publish(
+            session, topic=topic, key="c-1", event_type="c.up", payload=TOMBSTONE, event_id=created
+        )
+    assert _count(engine, ob, topic) == 6
+
+
+def test_none_and_keyless_tombstones_are_refused(engine: Engine, ob: Outbox) -> None:
+    topic = _topic()
+    with Session(engine) as session, session.begin():
+        with pytest.raises(PayloadError, match=r"payload=outbox\.TOMBSTONE"):
+            ob.publish(session, topic=topic, key="c-1", event_type="c.deleted", payload=None)  # type: ignore[arg-type]
+        with pytest.raises(PayloadError, match="needs a key"):
+            ob.publish(session, topic=topic, event_type="c.deleted", payload=TOMBSTONE)
+    assert _count(engine, ob, topic) == 0
 
 
 def test_missing_tables_name_the_upgrade_command(engine: Engine, settings: OutboxSettings) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import subprocess
+import threading
 import uuid
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from pathlib import Path
@@ -13,8 +14,11 @@ from typing import Any
 from aiokafka import AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient
 from sqlalchemy import Engine, text
+from sqlalchemy.orm import Session
 
 from inbox import Consumer, ConsumerDaemon, Metrics
+from outbox import Message, Outbox
+from outbox.db import sync_engine
 from outbox.settings import ConsumerSettings, OutboxSettings, RetrySettings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -82,6 +86,61 @@ def effect_rows(engine: Engine, table: str) -> list[tuple[str, str | None, int |
     with engine.connect() as conn:
         rows = conn.execute(text(f"SELECT event_id, key, seq FROM {table} ORDER BY id"))
         return [(r[0], r[1], r[2]) for r in rows]
+
+
+def publish_keyed(
+    settings: OutboxSettings,
+    topic: str,
+    events: int,
+    *,
+    keys: int,
+    chunk: int = 200,
+    pause: float = 0.05,
+    stop: threading.Event | None = None,
+) -> None:
+    """Publish ``events`` events of type ``test.event`` (payload {"key", "seq"}, seq rising
+    per key) through ``sync_engine(settings)``, ``chunk`` per transaction with a ``pause``
+    between them (so that kills land mid-stream); ``stop`` ends it early."""
+    stop = stop or threading.Event()
+    engine = sync_engine(settings, pool_size=1)
+    outbox = Outbox(settings)
+    try:
+        for start in range(0, events, chunk):
+            if stop.is_set():
+                return
+            with Session(engine) as session, session.begin():
+                outbox.publish_many(
+                    session,
+                    [
+                        Message(
+                            topic=topic,
+                            key=f"key-{n % keys}",
+                            event_type="test.event",
+                            payload={"key": f"key-{n % keys}", "seq": n // keys},
+                        )
+                        for n in range(start, min(start + chunk, events))
+                    ],
+                )
+            stop.wait(pause)
+    finally:
+        engine.dispose()
+
+
+def effect_verdict(
+    rows: Sequence[tuple[str, str | None, int | None]], expected: int
+) -> tuple[int, int, int]:
+    """(lost, duplicate effects, out-of-order pairs per key) of :func:`effect_rows` (commit
+    order) for ``expected`` events, each a distinct (key, seq) with seq rising per key."""
+    seen: dict[tuple[str, int], int] = {}
+    last: dict[str, int] = {}
+    out_of_order = 0
+    for _, key, seq in rows:
+        assert key is not None and seq is not None
+        seen[(key, seq)] = seen.get((key, seq), 0) + 1
+        if seq < last.get(key, -1):
+            out_of_order += 1
+        last[key] = max(seq, last.get(key, -1))
+    return expected - len(seen), sum(c - 1 for c in seen.values()), out_of_order
 
 
 async def wait_for(

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from aiokafka import AIOKafkaConsumer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 
 
 async def create_topic(bootstrap: str, name: str | None = None, partitions: int = 1) -> str:
@@ -27,13 +28,28 @@ async def create_topic(bootstrap: str, name: str | None = None, partitions: int 
     return name
 
 
+async def cleanup_policies(bootstrap: str, topics: list[str]) -> dict[str, str]:
+    """Each topic's ``cleanup.policy`` as the broker reports it (``delete``, ``compact``)."""
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    await admin.start()
+    try:
+        found: dict[str, str] = {}
+        resources = [ConfigResource(ConfigResourceType.TOPIC, t) for t in topics]
+        for response in await admin.describe_configs(resources):
+            for _, _, _, name, entries in response.resources:
+                found.update((name, str(v)) for k, v, *_ in entries if k == "cleanup.policy")
+        return found
+    finally:
+        await admin.close()
+
+
 @dataclass(frozen=True)
 class Record:
     topic: str
     partition: int
     offset: int
     key: bytes | None
-    value: bytes
+    value: bytes | None  # None: a tombstone
     headers: dict[str, bytes]
 
 

@@ -8,9 +8,17 @@ from datetime import UTC, datetime
 from decimal import Decimal
 
 import pytest
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict
 
-from outbox import Message, PayloadError, PayloadTooLarge, canonical_json, idempotency_key, uuid7
+from outbox import (
+    TOMBSTONE,
+    Message,
+    PayloadError,
+    PayloadTooLarge,
+    canonical_json,
+    idempotency_key,
+    uuid7,
+)
 from outbox.envelope import (
     JSON,
     OCTET_STREAM,
@@ -161,3 +169,77 @@ def test_idempotency_key_is_deterministic_and_intent_sensitive() -> None:
         idempotency_key()
     with pytest.raises(PayloadError):
         idempotency_key("x", 1.5)  # type: ignore[arg-type]
+
+
+class Line(BaseModel):
+    sku: str
+    price: float
+
+
+class Basket(BaseModel):
+    lines: list[Line]
+
+
+class NullsAllowed(BaseModel):
+    # The model's author chose how NaN is written: honoured, not looked into.
+    model_config = ConfigDict(ser_json_inf_nan="null")
+    price: float
+
+
+NAN, INF = float("nan"), float("inf")
+
+
+@pytest.mark.parametrize(
+    ("payload", "where"),
+    [
+        ({"price": NAN}, "$.price is NaN"),
+        ({"price": INF}, "$.price is Infinity"),
+        ({"price": -INF}, "$.price is -Infinity"),
+        ({"order": {"total": {"gross": NAN}}}, "$.order.total.gross is NaN"),
+        ([1, 2, INF], "$[2] is Infinity"),
+        ({"items": [{"price": 1}, {"price": 2}, {"price": 3}, {"price": NAN}]}, "$.items[3].price"),
+        ({"rows": [[0.5, (1.5, -INF)]]}, "$.rows[0][1][1] is -Infinity"),
+        ({"odd key": NAN}, '$["odd key"] is NaN'),
+        ({"amount": Decimal("NaN")}, "$.amount is NaN"),
+        (Basket(lines=[Line(sku="a", price=1.0), Line(sku="b", price=NAN)]), "$.lines[1].price"),
+        ({"basket": Basket(lines=[Line(sku="a", price=INF)])}, "$.basket.lines[0].price"),
+    ],
+)
+def test_nan_and_infinity_are_refused_with_their_place(payload: object, where: str) -> None:
+    with pytest.raises(PayloadError, match="no JSON representation") as info:
+        _prep(payload=payload)
+    assert f"payload {where}" in str(info.value)
+
+
+def test_words_like_nan_in_strings_and_nulls_are_fine() -> None:
+    payload = {"name": "NaN bread", "note": "Infinity pool", "gone": None, "ok": 1.5}
+    row = _prep(payload=payload)
+    assert isinstance(row, Row) and row.payload is not None
+    assert json.loads(row.payload) == payload
+    # A model that chose to write NaN as null keeps that choice.
+    assert encode_payload(NullsAllowed(price=NAN)) == (b'{"price":null}', JSON)
+
+
+def test_canonical_json_and_keys_name_the_place_too() -> None:
+    with pytest.raises(PayloadError, match=r"value \$\.a\[1\] is NaN"):
+        canonical_json({"a": [1, NAN]})
+    with pytest.raises(PayloadError, match=r"payload \$\.amount is Infinity"):
+        idempotency_key("refund", 1, payload={"amount": INF})
+
+
+def test_a_tombstone_is_a_null_value_without_content_type() -> None:
+    row = _prep(payload=TOMBSTONE, key="c-1")
+    assert isinstance(row, Row)
+    assert row.payload is None and row.content_type is None
+    # Distinct from an empty payload, and in the same lane as the key's other events.
+    assert row.fingerprint != _prep(payload=b"", key="c-1", event_id=row.event_id).fingerprint
+    assert row.lane == _prep(payload={"a": 1}, key="c-1").lane
+    with pytest.raises(PayloadError, match="needs a key"):
+        _prep(payload=TOMBSTONE)
+    with pytest.raises(PayloadError, match=r"payload=outbox\.TOMBSTONE"):
+        _prep(payload=None, key="c-1")
+    assert repr(TOMBSTONE) == "outbox.TOMBSTONE"
+    # A stored tombstone is never "the same event" as a payload (and vice versa).
+    json_row = _prep(payload={"a": 1}, key="c-1")
+    assert not same_event(row, _stored(json_row))
+    assert not same_event(json_row, _stored(row))

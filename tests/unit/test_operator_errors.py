@@ -119,11 +119,19 @@ def test_third_party_records_are_limited_to_one_a_minute() -> None:
 def test_topic_specs() -> None:
     assert parse_spec("orders:12") == TopicSpec("orders", 12)
     assert parse_spec(" orders ") == TopicSpec("orders")
-    for bad in ("orders:0", "orders:x", "bad topic"):
-        with pytest.raises(ConfigurationError):
+    assert parse_spec("customers:compact") == TopicSpec("customers", compact=True)
+    assert parse_spec("customers:6:compact") == TopicSpec("customers", 6, compact=True)
+    bad_specs = ("orders:0", "orders:x", "bad topic", "c:compact:6", "c:6:6", "c:compact:compact")
+    for bad in bad_specs:
+        with pytest.raises(ConfigurationError, match=r"NAME|not a valid Kafka name"):
             parse_spec(bad)
     merged = _merge([TopicSpec("a.dlq", dead_letter_of="a"), TopicSpec("a"), TopicSpec("a", 4)])
     assert merged == [TopicSpec("a", 4), TopicSpec("a.dlq", dead_letter_of="a")]
+    # Compaction asked anywhere sticks; a dead-letter topic never inherits it.
+    merged = _merge(
+        [TopicSpec("c", 3), TopicSpec("c", compact=True), TopicSpec("c.dlq", None, "c")]
+    )
+    assert merged == [TopicSpec("c", 3, compact=True), TopicSpec("c.dlq", dead_letter_of="c")]
 
 
 def test_server_errors_on_a_live_connection_stay_retriable() -> None:
