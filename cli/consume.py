@@ -55,7 +55,8 @@ def consume(
             server = serve_http(metrics.registry, metrics_port, daemon.healthy, name="inbox-http")
         notice(
             f"consumer {app.name} on {', '.join(app.topics)} "
-            f"({len(app.handlers)} handlers, database {daemon.settings.safe_database_url})",
+            f"({len(app.handlers) + len(app.topic_handlers)} handlers, "
+            f"database {daemon.settings.safe_database_url})",
             consumer=app.name,
             topics=list(app.topics),
         )

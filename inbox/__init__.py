@@ -10,7 +10,9 @@
     async def charge(event: OrderCreated, session: AsyncSession) -> None:
         session.add(Charge(order_id=event.order_id))
 
-Run it with ``outbox consume mymodule:app``.
+Run it with ``outbox consume mymodule:app``. Records of other producers (Debezium's outbox
+router, structured-mode CloudEvents, plain JSON topics) are read by envelopes:
+:mod:`inbox.envelopes`.
 """
 
 from inbox.app import Consumer, Handler
@@ -19,10 +21,12 @@ from inbox.deadletters import DeadLetters, ReplayReport
 from inbox.errors import (
     ConsumerAppNotFound,
     DeadLetterNotFound,
+    EnvelopeError,
     HandlerConfigurationError,
     RecordTooLargeForTopic,
     ReplayRefused,
     TombstoneRefused,
+    Unreadable,
 )
 from inbox.event import InboxEvent
 from inbox.metrics import Metrics
@@ -38,6 +42,7 @@ __all__ = [
     "DeadLetterFilter",
     "DeadLetterNotFound",
     "DeadLetters",
+    "EnvelopeError",
     "EventContext",
     "Handler",
     "HandlerConfigurationError",
@@ -50,4 +55,5 @@ __all__ = [
     "ReplayReport",
     "Retryable",
     "TombstoneRefused",
+    "Unreadable",
 ]

@@ -8,6 +8,17 @@
     async def charge(event: OrderCreated, session: AsyncSession) -> None:
         session.add(Charge(order_id=event.order_id))   # same transaction as the inbox row
 
+Events without a type (a Debezium outbox topic, a plain JSON topic: see
+:mod:`inbox.envelopes`) are routed by topic::
+
+    app = inbox.Consumer(name="billing", topics=["outbox.event.order"], envelope="debezium")
+
+    @app.handler(topic="outbox.event.order")     # every record of the topic
+    async def on_order(event: OrderEvent, session: AsyncSession) -> None: ...
+
+``@app.handler("t", topic="x")`` takes type ``t`` on topic ``x`` only. Two handlers that
+could both claim one record are refused when the second is declared.
+
 A handler's first parameter decides what it receives: annotated with a pydantic model,
 the payload parsed into it (a validation error is permanent: dead-lettered at once);
 otherwise the raw :class:`~inbox.event.InboxEvent`. A tombstone (a record with a null value,
@@ -33,17 +44,20 @@ from pydantic import BaseModel
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from inbox.context import EventContext
+from inbox.envelopes import EnvelopeSpec, Reader, resolve
 from inbox.errors import HandlerConfigurationError, TombstoneRefused
-from inbox.event import InboxEvent
+from inbox.event import InboxEvent, KafkaRecord
 from outbox import identifiers
 from outbox.settings import OutboxSettings
 
 HandlerFn = Callable[..., Any]
+Decoder = Callable[[KafkaRecord], InboxEvent]
 
 
 @dataclass(frozen=True)
 class Handler:
-    event_type: str
+    # None: every record of ``topic`` (typed or not) that no typed handler there takes.
+    event_type: str | None
     fn: HandlerFn
     model: type[BaseModel] | None
     is_async: bool
@@ -55,6 +69,19 @@ class Handler:
     wants_context: bool = False
     # The model parameter is annotated ``Model | None``: a tombstone arrives as None.
     takes_tombstones: bool = False
+    # None: the event type on every topic of the consumer.
+    topic: str | None = None
+
+    @property
+    def claim(self) -> str:
+        """Which records it takes, in words."""
+        if self.event_type is None:
+            return f"every record of topic {self.topic!r}"
+        where = "" if self.topic is None else f" on topic {self.topic!r}"
+        return f"event type {self.event_type!r}{where}"
+
+    def describe(self) -> str:
+        return f"{self.fn.__qualname__} ({self.claim})"
 
     def parse(self, event: InboxEvent) -> Any:
         if self.model is None:
@@ -120,13 +147,25 @@ class Consumer:
 
     ``kafka_options`` are passed to ``AIOKafkaConsumer``; auto-commit is refused because
     offsets must only move after the database commit.
+
+    ``envelope`` says how records are read (:mod:`inbox.envelopes`): ``"cloudevents"``
+    (default; binary and structured mode), ``"debezium"``, ``"position"``, an envelope
+    object, or ``"MODULE:ATTR"`` of your own; ``envelopes`` overrides it per topic. It is
+    declared here, in code, not in settings: the handlers are written for what it yields
+    (typed events or not), so changing one without the other would misroute events.
     """
 
     name: str
     topics: Sequence[str]
     settings: OutboxSettings | None = None
     kafka_options: Mapping[str, Any] = field(default_factory=dict)
+    envelope: EnvelopeSpec = "cloudevents"
+    envelopes: Mapping[str, EnvelopeSpec] = field(default_factory=dict)
+    # Handlers of an event type on every topic, by type.
     handlers: dict[str, Handler] = field(default_factory=dict, init=False)
+    # Handlers of one topic, by (topic, type); type None: every record of the topic.
+    topic_handlers: dict[tuple[str, str | None], Handler] = field(default_factory=dict, init=False)
+    _readers: dict[str, Reader] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
         identifiers.kafka_name(self.name, "consumer name")
@@ -143,15 +182,28 @@ class Consumer:
                 raise HandlerConfigurationError(
                     f"kafka option {forbidden!r} is set by the consumer itself"
                 )
+        strays = sorted(set(self.envelopes) - set(self.topics))
+        if strays:
+            raise HandlerConfigurationError(
+                f"envelopes given for topics the consumer does not read: {', '.join(strays)}"
+            )
+        default = resolve(self.envelope)
+        self._readers = {
+            topic: resolve(self.envelopes[topic]) if topic in self.envelopes else default
+            for topic in self.topics
+        }
 
     def handler(
         self,
-        event_type: str,
+        event_type: str | None = None,
         *,
+        topic: str | None = None,
         max_attempts: int | None = None,
         stale: Literal["skip"] | None = None,
     ) -> Callable[[HandlerFn], HandlerFn]:
-        """Register the decorated function for CloudEvents type ``event_type``.
+        """Register the decorated function for events of type ``event_type`` (on every
+        topic, or on ``topic`` only), or for every record of ``topic`` (no type: what
+        envelopes without types yield, e.g. Debezium's by default).
 
         ``stale="skip"`` guards the handler against out-of-date events: an event whose
         ``sequence`` is not above the highest sequence this consumer applied for its key is
@@ -162,15 +214,20 @@ class Consumer:
             raise HandlerConfigurationError("max_attempts must be at least 1")
         if stale not in (None, "skip"):
             raise HandlerConfigurationError(f"stale must be 'skip' or None, not {stale!r}")
+        if event_type is None and topic is None:
+            raise HandlerConfigurationError("a handler needs an event type, a topic, or both")
+        if event_type is not None and (not isinstance(event_type, str) or not event_type):
+            raise HandlerConfigurationError(
+                f"event type must be a non-empty string: {event_type!r}"
+            )
+        if topic is not None and topic not in self.topics:
+            raise HandlerConfigurationError(
+                f"topic {topic!r} is not one of this consumer's: {', '.join(self.topics)}"
+            )
 
         def register(fn: HandlerFn) -> HandlerFn:
-            if event_type in self.handlers:
-                raise HandlerConfigurationError(
-                    f"event type {event_type!r} already has handler "
-                    f"{self.handlers[event_type].fn.__qualname__}"
-                )
             model, takes_tombstones, wants_context = _signature_of(fn)
-            self.handlers[event_type] = Handler(
+            new = Handler(
                 event_type=event_type,
                 fn=fn,
                 model=model,
@@ -179,7 +236,75 @@ class Consumer:
                 is_async=inspect.iscoroutinefunction(fn),
                 max_attempts=max_attempts,
                 stale=stale,
+                topic=topic,
             )
+            self._check(new)
+            if topic is None:
+                assert event_type is not None
+                self.handlers[event_type] = new
+            else:
+                self.topic_handlers[(topic, event_type)] = new
             return fn
 
         return register
+
+    def envelope_for(self, topic: str) -> Reader:
+        """How this consumer reads the records of ``topic``."""
+        reader = self._readers.get(topic)
+        if reader is None:
+            raise HandlerConfigurationError(
+                f"topic {topic!r} is not one of this consumer's: {', '.join(self.topics)}"
+            )
+        return reader
+
+    def decoder(self, topic: str) -> Decoder:
+        """Record -> InboxEvent for ``topic`` (resolved once per partition, not per record)."""
+        return self.envelope_for(topic).decode
+
+    def router(self, topic: str) -> Callable[[str | None], Handler | None]:
+        """Event type -> its handler on ``topic`` (None: unknown), for a partition's
+        processor: one dict lookup per event."""
+        table: dict[str | None, Handler] = {etype: h for etype, h in self.handlers.items()}
+        table.update(
+            (etype, h) for (t, etype), h in self.topic_handlers.items() if t == topic and etype
+        )
+        fallback = self.topic_handlers.get((topic, None))
+        if fallback is None:
+            return table.get
+        return lambda event_type: table.get(event_type, fallback)
+
+    def _check(self, new: Handler) -> None:
+        """Refuse a handler that shares a record with one declared before, or never runs."""
+        for old in (*self.handlers.values(), *self.topic_handlers.values()):
+            topics = self._shared_topics(old.topic, new.topic)
+            if not topics:
+                continue
+            if old.event_type is not None and new.event_type is not None:
+                clash = old.event_type == new.event_type
+            elif old.event_type is None and new.event_type is None:
+                clash = True
+            else:  # a typed handler and one for every record: typed records on a shared topic
+                clash = any(self._readers[t].typed is not False for t in topics)
+            if clash and (old.event_type, old.topic) == (new.event_type, new.topic):
+                raise HandlerConfigurationError(
+                    f"{new.claim} already has handler {old.fn.__qualname__}"
+                )
+            if clash:
+                raise HandlerConfigurationError(
+                    f"handlers {old.describe()} and {new.describe()} could both claim a "
+                    f"record of topic {topics[0]!r}: give each its own type or topic"
+                )
+        if new.event_type is not None:
+            scope = [new.topic] if new.topic is not None else list(self.topics)
+            if all(self._readers[t].typed is False for t in scope):
+                raise HandlerConfigurationError(
+                    f"handler {new.describe()} would never run: the envelope of "
+                    f"{', '.join(scope)} yields no event types; use @app.handler(topic=...)"
+                )
+
+    def _shared_topics(self, a: str | None, b: str | None) -> list[str]:
+        if a is not None and b is not None:
+            return [a] if a == b else []
+        if a is not None or b is not None:
+            return [a or b or ""]
+        return list(self.topics)

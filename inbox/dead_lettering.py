@@ -20,6 +20,7 @@ from typing import Protocol
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from inbox import failures, tracing
+from inbox.envelopes.base import EVENT_ID_HEADER
 from inbox.errors import RecordTooLargeForTopic
 from inbox.event import InboxEvent
 from inbox.failures import Failure
@@ -50,9 +51,10 @@ class DeadLetterer:
     async def apply_policy(self, session: AsyncSession, event: InboxEvent) -> bool:
         """Unknown type or malformed record: dead-letter or skip. True if dead-lettered."""
         if event.malformed is not None:
-            failure, policy = failures.malformed(event.malformed), self.config.malformed_policy
+            failure = failures.malformed(event.malformed, self.config.error_message_chars)
+            policy = self.config.malformed_policy
         else:
-            failure = failures.unknown_type(event.event_type)
+            failure = failures.unknown_type(event.event_type, event.topic)
             policy = self.config.unknown_type_policy
         if policy == "skip":
             log.debug(
@@ -95,11 +97,14 @@ class DeadLetterer:
             ("dlq_original_topic", event.topic.encode()),
             ("dlq_original_partition", str(event.partition).encode()),
             ("dlq_original_offset", str(event.offset).encode()),
+            (EVENT_ID_HEADER, event.event_id.encode()),
         ]
         refused: RecordTooLargeForTopic | None = None
         at: tuple[int, int] | None
+        # The record as received (a structured CloudEvent whole, not only its data).
+        value = event.record_value
         try:
-            at = await self.sink.send(dlq_topic, event.key, event.value, [*event.headers, *dlq])
+            at = await self.sink.send(dlq_topic, event.key, value, [*event.headers, *dlq])
         except RecordTooLargeForTopic as exc:
             refused = exc
             at = await self._send_marker(event, exc, dlq)
@@ -152,8 +157,7 @@ class DeadLetterer:
             )
         marker = [
             *dlq,
-            ("dlq_event_id", event.event_id.encode()),
-            ("dlq_value_bytes", str(len(event.value or b"")).encode()),
+            ("dlq_value_bytes", str(len(event.record_value or b"")).encode()),
             ("dlq_stored_in", b"database"),
         ]
         try:

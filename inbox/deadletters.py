@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from aiokafka.errors import KafkaError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from inbox.envelopes.base import EVENT_ID_HEADER
 from inbox.errors import DeadLetterNotFound
 from inbox.kafka import KafkaSink, dlq_producer
 from inbox.store import DeadLetter, DeadLetterFilter, InboxStore
@@ -25,6 +26,7 @@ from outbox.settings import OutboxSettings
 from outbox.tables import build_tables
 
 REPLAY_HEADER = "dlq_replay"
+_REPLAY_HEADERS = (REPLAY_HEADER, EVENT_ID_HEADER)
 
 
 @dataclass
@@ -81,9 +83,13 @@ class DeadLetters:
                     continue
                 # Marked first, produced second: a crash in between leaves the row
                 # `replaying` and a rerun of the replay produces it then.
+                # The record as it was, plus the replay count and the id the inbox knows
+                # the event by (kept when that id was the record's position: see
+                # inbox/envelopes/base.py position_id).
                 headers = [
-                    *((n, v) for n, v in letter.headers if n != REPLAY_HEADER),
+                    *((n, v) for n, v in letter.headers if n not in _REPLAY_HEADERS),
                     (REPLAY_HEADER, str(letter.replays + 1).encode()),
+                    (EVENT_ID_HEADER, letter.event_id.encode()),
                 ]
                 await sink.send(letter.topic, letter.key, letter.value, headers)
                 report.replayed.append(letter)

@@ -34,8 +34,23 @@ class DeadLetterNotFound(OutboxError):
 
 
 class InvalidSequence(OutboxError):
-    """An event's ``ce_sequence`` header is not a non-negative 64-bit integer, so a handler
-    guarded against stale events cannot order it (permanent: dead-lettered)."""
+    """An event's ``sequence`` (header ``ce_sequence``, or its envelope's) is not a
+    non-negative 64-bit integer, so a handler guarded against stale events cannot order it
+    (permanent: dead-lettered)."""
+
+    retriable = False
+
+
+class EnvelopeError(HandlerConfigurationError):
+    """An envelope is declared wrongly (unknown name, bad JSON pointer, not an envelope), or
+    a user's envelope broke its contract: it returned something other than
+    :class:`inbox.envelopes.Opened`. The consumer stops (nothing is committed, the record is
+    read again after a fix)."""
+
+
+class Unreadable(OutboxError):
+    """Raised by an envelope for a record it cannot read; the message is the reason the
+    record is dead-lettered with (``malformed_policy``)."""
 
     retriable = False
 

@@ -1,8 +1,8 @@
-"""What a handler receives: a Kafka record read through the CloudEvents binary binding.
+"""What a handler receives: a Kafka record as its envelope read it (see ``inbox/envelopes``).
 
-Decoding is pure (no I/O). A record without a usable ``ce_id``/``ce_type`` is *malformed*:
-it still gets a deterministic id (``topic:partition:offset``) so that its dead-lettering
-is deduplicated like any other event.
+Decoding is pure (no I/O). A record its envelope cannot read is *malformed*: it still
+gets a deterministic id (``topic:partition:offset``) so that its dead-lettering is
+deduplicated like any other event.
 """
 
 from __future__ import annotations
@@ -12,7 +12,9 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from inbox.errors import InvalidSequence
-from outbox.envelope import MAX_SEQUENCE, SEQUENCE_HEADER
+from outbox.envelope import MAX_SEQUENCE
+
+SEQUENCE_ATTRIBUTE = "sequence"  # the CloudEvents sequence extension (header ce_sequence)
 
 
 class KafkaRecord(Protocol):
@@ -50,22 +52,47 @@ class InboxEvent:
     # The record's Kafka timestamp, ms since the epoch (producer's or broker's clock,
     # per the topic's message.timestamp.type).
     timestamp_ms: int | None = None
+    # Set when the envelope took the event's data out of the record's value (a structured
+    # CloudEvent's ``data``, a JsonConverter wrapper): the value as received, which dead
+    # letters and replays carry. None: ``value`` is the record's value.
+    received_value: bytes | None = None
+    # The event's attributes (CloudEvents context attributes and extensions: ``source``,
+    # ``time``, ``sequence``, ``datacontenttype``...) when the envelope found them elsewhere
+    # than in ``ce_*`` headers. None: read from the headers (CloudEvents binary mode).
+    attributes: tuple[tuple[str, str], ...] | None = None
 
     def header(self, name: str) -> str | None:
         """A header decoded as UTF-8 (the last one wins when repeated), or None."""
         return header_text(self.headers, name)
 
+    def attribute(self, name: str) -> str | None:
+        """A CloudEvents attribute or extension (``source``, ``time``, ``subject``...): the
+        envelope's, or else the record's ``ce_<name>`` header."""
+        if self.attributes is None:
+            return self.header("ce_" + name)
+        for key, value in self.attributes:
+            if key == name:
+                return value
+        return None
+
+    @property
+    def record_value(self) -> bytes | None:
+        """The record's value as received (``value`` is the event's data in it)."""
+        return self.value if self.received_value is None else self.received_value
+
     @property
     def source(self) -> str | None:
-        return self.header("ce_source")
+        return self.attribute("source")
 
     @property
     def time(self) -> str | None:
-        return self.header("ce_time")
+        return self.attribute("time")
 
     @property
     def content_type(self) -> str | None:
-        return self.header("content-type")
+        if self.attributes is None:
+            return self.header("content-type")
+        return self.attribute("datacontenttype")
 
     @property
     def sequence(self) -> int | None:
@@ -74,15 +101,15 @@ class InboxEvent:
         Raises :class:`~inbox.errors.InvalidSequence` when it is present but not a
         non-negative integer: a stale-event guard cannot order such an event.
         """
-        text = self.header(SEQUENCE_HEADER)
+        text = self.attribute(SEQUENCE_ATTRIBUTE)
         if text is None:
             return None
         if not (text.isascii() and text.isdigit()) or int(text) > MAX_SEQUENCE:
-            raise InvalidSequence(f"{SEQUENCE_HEADER} header {text[:40]!r} is not a 64-bit integer")
+            raise InvalidSequence(f"sequence {text[:40]!r} is not a non-negative 64-bit integer")
         return int(text)
 
     def json(self) -> Any:
-        """The value parsed as JSON."""
+        """The event's data (``value``) parsed as JSON."""
         import json
 
         return json.loads(self.value or b"null")
@@ -94,42 +121,3 @@ def header_text(headers: Sequence[tuple[str, bytes]], name: str) -> str | None:
         if hname == name:
             return raw.decode("utf-8", errors="replace")
     return None
-
-
-def _text(headers: Sequence[tuple[str, bytes]], name: str) -> str | None:
-    for hname, raw in reversed(headers):
-        if hname == name:
-            try:
-                text = bytes(raw).decode("utf-8")
-            except UnicodeDecodeError:
-                return None
-            return text or None
-    return None
-
-
-def decode(record: KafkaRecord) -> InboxEvent:
-    headers = tuple((name, bytes(value or b"")) for name, value in record.headers)
-    event_id = _text(headers, "ce_id")
-    event_type = _text(headers, "ce_type")
-    problem = None
-    if event_id is None:
-        problem = "missing or invalid ce_id header"
-    elif len(event_id) > 255:
-        problem = "ce_id header longer than 255 characters"
-    elif event_type is None:
-        problem = "missing or invalid ce_type header"
-    if problem is not None:
-        event_id = f"{record.topic}:{record.partition}:{record.offset}"
-    assert event_id is not None
-    return InboxEvent(
-        event_id=event_id,
-        event_type=event_type,
-        topic=record.topic,
-        partition=record.partition,
-        offset=record.offset,
-        key=record.key,
-        value=record.value,
-        headers=headers,
-        malformed=problem,
-        timestamp_ms=record.timestamp,
-    )

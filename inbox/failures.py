@@ -54,11 +54,14 @@ def crashed(attempts: int, last: str | None, max_chars: int) -> Failure:
     return Failure("ProcessCrashed", _cut(message, max_chars), False)
 
 
-def malformed(reason: str) -> Failure:
-    return Failure("MalformedRecord", reason, False)
+def malformed(reason: str, max_chars: int) -> Failure:
+    """A record its envelope could not read (``reason`` is the envelope's)."""
+    return Failure("MalformedRecord", _cut(reason, max_chars), False)
 
 
-def unknown_type(event_type: str | None) -> Failure:
+def unknown_type(event_type: str | None, topic: str) -> Failure:
+    if event_type is None:
+        return Failure("UnknownEventType", f"no handler for topic {topic!r} (no event type)", False)
     return Failure("UnknownEventType", f"no handler for event type {event_type!r}", False)
 
 

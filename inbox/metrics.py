@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter as Tally
 from dataclasses import dataclass, field
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 # Counter name (outbox_inbox_<name>_total) -> help text.
 COUNTERS = {
@@ -44,6 +45,14 @@ class Metrics:
         ).labels(self.consumer)
         self._refused_by_topic: Tally[str] = Tally()  # which topic: in the log line
         self.counts = dict.fromkeys(COUNTERS, 0)
+        # One series per partition while this member has it assigned.
+        self._lag = Gauge(
+            "outbox_inbox_lag_records",
+            "Records of an assigned partition after the offset this consumer committed "
+            "(high watermark minus committed offset).",
+            ["consumer", "topic", "partition"],
+            registry=self.registry,
+        )
 
     def _inc(self, name: str, n: int) -> None:
         if n:
@@ -77,3 +86,10 @@ class Metrics:
 
     def handler_seconds(self, seconds: float) -> None:
         self._handler_seconds.observe(seconds)
+
+    def lag(self, topic: str, partition: int, records: int) -> None:
+        self._lag.labels(self.consumer, topic, str(partition)).set(records)
+
+    def forget_lag(self, topic: str, partition: int) -> None:
+        with contextlib.suppress(KeyError):
+            self._lag.remove(self.consumer, topic, str(partition))

@@ -158,6 +158,8 @@ class PartitionProcessor:
 
     def __post_init__(self) -> None:
         self._dead = DeadLetterer(self.app.name, self.config, self.store, self.sink, self.metrics)
+        # This partition's routing table (type -> handler), resolved once.
+        self._route = self.app.router(self.topic)
 
     @property
     def consumer(self) -> str:
@@ -412,7 +414,7 @@ class PartitionProcessor:
         return result
 
     def _handler(self, event: InboxEvent) -> Handler | None:
-        return self.app.handlers.get(event.event_type or "")
+        return self._route(event.event_type)
 
     def _needs_policy(self, event: InboxEvent) -> bool:
         return event.malformed is not None or self._handler(event) is None

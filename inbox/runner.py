@@ -10,6 +10,12 @@ committer task that coalesces them so handlers never wait for a Kafka round trip
 revocation a revoked partition's in-flight run finishes (a retry backing off is abandoned
 before its next attempt) and its offsets are committed before the rebalance proceeds; the
 new owner starts at the committed offset and the inbox dedupes the rest.
+
+Lag (``outbox_inbox_lag_records``): per assigned partition, the high watermark minus the
+offset this member committed (or started from), refreshed once a second from what the
+fetches already brought back (aiokafka keeps each partition's last high watermark). A
+partition paused for backpressure is not fetched, so its end offset is asked for with the
+periodic Kafka check instead: one request every few seconds, never one per event.
 """
 
 from __future__ import annotations
@@ -29,8 +35,8 @@ from aiokafka.errors import CommitFailedError, IllegalStateError, KafkaError
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
-from inbox.app import Consumer
-from inbox.event import InboxEvent, decode
+from inbox.app import Consumer, Decoder
+from inbox.event import InboxEvent
 from inbox.kafka import KafkaSink, dlq_producer, ensure_topics, start_dlq_producer
 from inbox.metrics import Metrics
 from inbox.processor import PartitionProcessor, process_together
@@ -51,6 +57,7 @@ STATUS_EVERY_SECONDS = 10.0
 # for a retry's backoff, so a flaky handler does not get the process restarted.
 STALLED_AFTER_SECONDS = 120.0
 KAFKA_CHECK_SECONDS = 1.0
+LAG_EVERY_SECONDS = 1.0
 
 
 def _transient(exc: BaseException) -> bool:
@@ -90,6 +97,10 @@ class ConsumerDaemon:
     _running: bool = field(default=False, init=False)
     _progress_at: float = field(default_factory=time.monotonic, init=False)
     _watcher: asyncio.Task[None] | None = field(default=None, init=False)
+    # Per partition: the offset this member last committed, or started from (for lag).
+    _committed: dict[TopicPartition, int] = field(default_factory=dict, init=False)
+    # End offsets of paused partitions, asked for by the Kafka check (see module docstring).
+    _end_offsets: dict[TopicPartition, int] = field(default_factory=dict, init=False)
 
     def __post_init__(self) -> None:
         self.settings = self.settings.for_consumer()  # its own URL, when one is set
@@ -258,8 +269,40 @@ class ConsumerDaemon:
             await asyncio.sleep(KAFKA_CHECK_SECONDS)
             if await watch.refresh():
                 self.kafka.ok()
+                await self._paused_end_offsets(kafka)
             else:
                 self.kafka.failed("metadata request failed")
+
+    async def _paused_end_offsets(self, kafka: AIOKafkaConsumer) -> None:
+        """Paused partitions are not fetched, so their high watermark would stand still."""
+        paused = [tp for tp in kafka.paused() if tp in self._lanes]
+        if not paused:
+            return
+        with contextlib.suppress(KafkaError, OSError, TimeoutError):
+            ends = await asyncio.wait_for(kafka.end_offsets(paused), KAFKA_CHECK_SECONDS)
+            self._end_offsets.update((tp, end) for tp, end in ends.items() if tp in self._lanes)
+
+    async def _update_lag(self) -> None:
+        """Export each assigned partition's lag: high watermark - committed offset."""
+        assert self._kafka is not None and self.metrics is not None
+        kafka = self._kafka
+        for tp in kafka.assignment():
+            high = kafka.highwater(tp)
+            asked = self._end_offsets.get(tp)
+            if asked is not None:
+                high = asked if high is None else max(high, asked)
+            if high is None:
+                continue  # not fetched yet
+            committed = self._committed.get(tp)
+            if committed is None:
+                # Nothing handed over since it was assigned: the position is still where the
+                # group's committed offset put it (it is valid once a fetch came back; the
+                # timeout only guards the loop against a reset in between).
+                try:
+                    committed = await asyncio.wait_for(kafka.position(tp), 0.1)
+                except (IllegalStateError, TimeoutError):
+                    continue  # no longer assigned, or being reset
+            self.metrics.lag(tp.topic, tp.partition, max(high - committed, 0))
 
     async def _loop(
         self, stop: asyncio.Event, sessions: async_sessionmaker[AsyncSession], sink: KafkaSink
@@ -269,6 +312,7 @@ class ConsumerDaemon:
         committer = asyncio.create_task(self._committer())
         committer.add_done_callback(self._watch_committer)
         next_status = time.monotonic() + STATUS_EVERY_SECONDS
+        next_lag = time.monotonic()
         try:
             while not stop.is_set() and self._failure is None:
                 batches = await self._kafka.getmany(
@@ -278,7 +322,11 @@ class ConsumerDaemon:
                     self.kafka.ok()  # records arrived: Kafka is back (if it was gone)
                 for tp, records in batches.items():
                     if records:
+                        self._committed.setdefault(tp, records[0].offset)  # where we started
                         self._lane(tp, sessions, sink).feed(records)
+                if time.monotonic() >= next_lag:
+                    next_lag = time.monotonic() + LAG_EVERY_SECONDS
+                    await self._update_lag()
                 if time.monotonic() >= next_status:
                     next_status = time.monotonic() + STATUS_EVERY_SECONDS
                     log.info("consumer status", extra={"consumer": self.app.name, **self._counts()})
@@ -306,7 +354,7 @@ class ConsumerDaemon:
                 topic=tp.topic,
                 partition=tp.partition,
             )
-            lane = _Lane(self, tp, processor)
+            lane = _Lane(self, tp, processor, self.app.decoder(tp.topic))
             processor.on_progress = lane.progress
             self._lanes[tp] = lane
             lane.task = asyncio.create_task(lane.work())
@@ -360,6 +408,7 @@ class ConsumerDaemon:
         assert self._kafka is not None
         try:
             await self._kafka.commit(offsets)
+            self._committed.update(offsets)
             self.kafka.ok()
             return True
         except (CommitFailedError, IllegalStateError) as exc:
@@ -399,6 +448,11 @@ class ConsumerDaemon:
             lane.wake.set()
         await asyncio.gather(*(lane.task for lane in lanes if lane.task), return_exceptions=True)
         await self.flush_offsets(only=[lane.tp for lane in lanes])
+        assert self.metrics is not None
+        for tp in tps:  # the next owner reports these partitions' lag
+            self._committed.pop(tp, None)
+            self._end_offsets.pop(tp, None)
+            self.metrics.forget_lag(tp.topic, tp.partition)
         if lanes:
             log.info("partitions released", extra={"partitions": sorted(str(x.tp) for x in lanes)})
 
@@ -410,6 +464,7 @@ class _Lane:
     daemon: ConsumerDaemon
     tp: TopicPartition
     processor: PartitionProcessor
+    decode: Decoder  # the topic's envelope (inbox/envelopes), resolved once
     events: list[InboxEvent] = field(default_factory=list)  # fetched, not finished
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     task: asyncio.Task[None] | None = None
@@ -422,7 +477,9 @@ class _Lane:
     fetched_bytes: int = 0  # payload bytes of `events`
 
     def feed(self, records: list[ConsumerRecord[bytes, bytes]]) -> None:
-        fresh = list(map(decode, records))
+        # ENVELOPE HOOK: where records become InboxEvents (inbox/envelopes; the default,
+        # CloudEvents, is inbox/envelopes/cloudevents.py decode).
+        fresh = list(map(self.decode, records))
         self.events.extend(fresh)
         self.fetched_bytes += _payload_bytes(fresh)
         self.wake.set()
@@ -605,4 +662,4 @@ def _offset(event: InboxEvent) -> int:
 
 
 def _payload_bytes(events: Sequence[InboxEvent]) -> int:
-    return sum(len(e.value) for e in events if e.value is not None)
+    return sum(len(v) for e in events if (v := e.record_value) is not None)

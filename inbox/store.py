@@ -512,7 +512,7 @@ class InboxStore:
             "offset": event.offset,
             "event_type": event.event_type,
             "key": event.key,
-            "value": event.value,
+            "value": event.record_value,
             "header_names": [h for h, _ in event.headers],
             "header_values": [v for _, v in event.headers],
             "error_class": error_class,

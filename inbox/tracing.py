@@ -40,12 +40,26 @@ def _attributes(event: InboxEvent, consumer: str) -> dict[str, Any]:
     return attributes
 
 
+def carrier(event: InboxEvent) -> tuple[tuple[str, bytes], ...]:
+    """Where the producer's trace context is: the record's headers, and for a structured
+    CloudEvent its ``traceparent``/``tracestate`` attributes (the distributed tracing
+    extension, e.g. Dapr's), which win."""
+    if event.attributes is None:
+        return event.headers
+    inside = tuple(
+        (name, value.encode())
+        for name, value in event.attributes
+        if name in (tracing.TRACEPARENT, tracing.TRACESTATE)
+    )
+    return event.headers + inside if inside else event.headers
+
+
 def _start(event: InboxEvent, consumer: str, attributes: dict[str, Any]) -> Span:
     from opentelemetry.trace import SpanKind
 
     return tracing.tracer().start_span(
         f"process {event.topic}",
-        context=tracing.extract_record(event.headers),
+        context=tracing.extract_record(carrier(event)),
         kind=SpanKind.CONSUMER,
         attributes={**_attributes(event, consumer), **attributes},
     )

@@ -178,7 +178,10 @@ class ConsumerSettings(_Section):
     )
     malformed_policy: Literal["skip", "dead_letter"] = Field(
         "dead_letter",
-        description="What to do with a record lacking CloudEvents `ce_id`/`ce_type` headers.",
+        description="What to do with a record its envelope cannot read (the default, "
+        "CloudEvents: one without `ce_id`/`ce_type` headers or a valid structured event): "
+        "dead_letter (with the envelope's reason) or skip. Envelopes are chosen in code: "
+        "`inbox.Consumer(envelope=...)`.",
     )
     dedupe_window_days: float = Field(7, gt=0, description="How long inbox rows are kept.")
     transaction_per: Literal["batch", "event"] = Field(

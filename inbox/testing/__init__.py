@@ -12,7 +12,7 @@ The pytest plugin (installed with the package) provides the fixtures; a project'
 ``conftest.py`` names its app in one line: ``inbox_app = app_fixture(app)``.
 """
 
-from inbox.testing.harness import DeadLetterRecord, Delivery, InboxHarness, Outcome
+from inbox.testing.harness import DeadLetterRecord, Delivery, InboxHarness, Outcome, Record
 from inbox.testing.plugin import app_fixture
 
-__all__ = ["DeadLetterRecord", "Delivery", "InboxHarness", "Outcome", "app_fixture"]
+__all__ = ["DeadLetterRecord", "Delivery", "InboxHarness", "Outcome", "Record", "app_fixture"]

@@ -18,6 +18,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 from sqlalchemy.pool import NullPool
 
 from inbox.app import Consumer
+from inbox.envelopes.base import EVENT_ID_HEADER
 from inbox.event import InboxEvent, header_text
 from inbox.metrics import Metrics
 from inbox.processor import PartitionProcessor
@@ -73,6 +74,20 @@ class Delivery:
     dead_letter: DeadLetterRecord | None = None
 
 
+@dataclass(frozen=True)
+class Record:
+    """A Kafka record as some producer wrote it (from :meth:`InboxHarness.record`): a
+    delivery reads it through the app's envelope for its topic, as the daemon does."""
+
+    topic: str
+    key: bytes | None
+    value: bytes | None
+    headers: tuple[tuple[str, bytes], ...]
+    partition: int = 0
+    offset: int = -1
+    timestamp: int = 0
+
+
 @dataclass
 class _RecordingSink:
     records: list[DeadLetterRecord] = field(default_factory=list)
@@ -80,7 +95,7 @@ class _RecordingSink:
     async def send(
         self, topic: str, key: bytes | None, value: bytes | None, headers: list[tuple[str, bytes]]
     ) -> tuple[int, int]:
-        event_id = header_text(headers, "ce_id") or ""
+        event_id = header_text(headers, EVENT_ID_HEADER) or ""
         self.records.append(DeadLetterRecord(topic, event_id, key, value, tuple(headers)))
         return 0, len(self.records) - 1
 
@@ -162,25 +177,54 @@ class InboxHarness:
             timestamp_ms=time.time_ns() // 1_000_000,
         )
 
+    def record(
+        self,
+        value: Payload | None,
+        *,
+        key: str | bytes | None = None,
+        headers: Mapping[str, str | bytes] | None = None,
+        topic: str | None = None,
+    ) -> Record:
+        """A record as another producer would write it (a Debezium outbox router, a
+        structured-mode CloudEvents SDK, a plain JSON producer): ``deliver`` reads it
+        through the app's envelope, so a record it cannot read is malformed here too."""
+        raw = value if value is None else encode_payload(value)[0]
+        return Record(
+            topic=topic or self.app.topics[0],
+            key=key.encode() if isinstance(key, str) else key,
+            value=raw,
+            headers=tuple(
+                (name, text.encode() if isinstance(text, str) else text)
+                for name, text in (headers or {}).items()
+            ),
+        )
+
     async def deliver(
         self,
-        event: InboxEvent | PublishedEvent | str,
+        event: InboxEvent | PublishedEvent | Record | str,
         payload: Payload | None = None,
         **fields: Any,
     ) -> Delivery:
         """Deliver ``event`` and handle it to the end: committed, skipped as a duplicate,
         or dead-lettered after its attempts. ``event`` is an :class:`InboxEvent` (from
-        :meth:`event`), an event a unit of work published (:mod:`outbox.testing`: the
-        producer's side and the consumer's tested together), or an event type with its
-        payload and :meth:`event`'s keyword arguments."""
-        if isinstance(event, PublishedEvent):
+        :meth:`event`), a :class:`Record` (from :meth:`record`), an event a unit of work
+        published (:mod:`outbox.testing`: the producer's side and the consumer's tested
+        together), or an event type with its payload and :meth:`event`'s keyword
+        arguments."""
+        offset = self._next_offset
+        self._next_offset += 1
+        if isinstance(event, Record):
+            placed = replace(
+                event, partition=self.partition, offset=offset, timestamp=time.time_ns() // 10**6
+            )
+            event = self.app.decoder(event.topic)(placed)
+        elif isinstance(event, PublishedEvent):
             event = self._from_outbox(event)
         elif isinstance(event, str):
             if payload is None:
                 raise TypeError("deliver(event_type, payload, ...) needs a payload")
             event = self.event(event, payload, **fields)
-        event = replace(event, offset=self._next_offset)
-        self._next_offset += 1
+        event = replace(event, offset=offset)
         processor = self._processor(event.topic)
         before = dict(self.metrics.counts)
         letters = len(self.dead_letters)

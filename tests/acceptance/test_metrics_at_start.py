@@ -1,6 +1,8 @@
 """A relay and a consumer started as `outbox` subprocesses export, before any event, every
 metric the Grafana dashboard and the alert rules name (counters at 0), and with
-``--json-logs`` every line they print is one JSON object."""
+``--json-logs`` every line they print is one JSON object. The one exception is a consumer's
+lag: its series are per assigned partition, so they appear with the assignment (a lag not
+measured is unknown, never 0)."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import subprocess
 import time
 import urllib.request
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -86,26 +89,38 @@ def stop(proc: subprocess.Popen[bytes], log: Path) -> list[dict[str, object]]:
 
 
 def run_and_scrape(
-    cli: Cli, tmp_path: Path, name: str, *args: str
-) -> tuple[dict[str, float], list[dict[str, object]]]:
-    """Start ``outbox ARGS --json-logs --metrics-port P``, scrape it once, stop it."""
+    cli: Cli,
+    tmp_path: Path,
+    name: str,
+    *args: str,
+    until: Callable[[dict[str, float]], bool] | None = None,
+) -> tuple[dict[str, float], list[dict[str, object]], dict[str, float]]:
+    """Start ``outbox ARGS --json-logs --metrics-port P``, scrape it at once (and again
+    until ``until`` holds, if given), stop it. Returns the first and the last scrape."""
     port = _free_port()
     log = tmp_path / f"{name}.log"
     proc = cli.popen(*args, "--json-logs", "--metrics-port", str(port), log=log)
     try:
-        samples = scrape(port, proc, log)
+        samples = last = scrape(port, proc, log)
+        deadline = time.monotonic() + 60
+        while until is not None and not until(last):
+            assert time.monotonic() < deadline, f"never true: {sorted(last)}"
+            time.sleep(0.2)
+            last = scrape(port, proc, log)
     finally:
         lines = stop(proc, log)
-    return samples, lines
+    return samples, lines, last
 
 
-def counters_at_zero(samples: dict[str, float], prefix: str, examples: set[str]) -> set[str]:
+def counters_at_zero(
+    samples: dict[str, float], prefix: str, examples: set[str], later: frozenset[str] = frozenset()
+) -> set[str]:
     """Every ``prefix`` metric the dashboard and alerts name is exported (``examples``
-    among them, so the search itself is checked); every counter is 0. Returns the
-    counters' sample keys."""
+    among them, so the search itself is checked), but for those only exported ``later``;
+    every counter is 0. Returns the counters' sample keys."""
     wanted = referenced(prefix)
-    assert examples <= wanted
-    assert wanted <= names(samples), wanted - names(samples)
+    assert examples <= wanted and later <= wanted
+    assert wanted - later <= names(samples), wanted - later - names(samples)
     counters = {k: v for k, v in samples.items() if k.split("{")[0].endswith("_total")}
     assert counters and set(counters.values()) == {0.0}, counters
     return set(counters)
@@ -116,7 +131,7 @@ def test_relay_exports_every_referenced_metric_from_start(
 ) -> None:
     settings = fresh_schema(lanes=8)
     cli = Cli(settings, (("OUTBOX_LOG_LEVEL", "INFO"),))
-    samples, lines = run_and_scrape(cli, tmp_path, "relay", "relay")
+    samples, lines, _ = run_and_scrape(cli, tmp_path, "relay", "relay")
     counters = counters_at_zero(
         samples, "outbox_relay_", {"outbox_relay_published_total", "outbox_relay_lanes"}
     )
@@ -139,14 +154,22 @@ def test_consumer_exports_every_referenced_metric_from_start(
             ("INBOX_TEST_TOPIC", topic),
         ),
     )
-    samples, lines = run_and_scrape(
-        cli, tmp_path, "consumer", "consume", "tests.support.inbox_apps:app"
+    lag = f"outbox_inbox_lag_records{{consumer={consumer},partition=0,topic={topic}}}"
+    samples, lines, assigned = run_and_scrape(
+        cli,
+        tmp_path,
+        "consumer",
+        "consume",
+        "tests.support.inbox_apps:app",
+        until=lambda s: lag in s,
     )
     counters = counters_at_zero(
         samples,
         "outbox_inbox_",
         {"outbox_inbox_processed_total", "outbox_inbox_dead_lettered_total"},
+        later=frozenset({"outbox_inbox_lag_records"}),
     )
+    assert assigned[lag] == 0  # its partition assigned and fetched: an empty topic, no lag
     assert len(counters) == 7
     assert all(k.endswith(f"{{consumer={consumer}}}") for k in counters)
     # The CLI's own messages are JSON records too, their figures as fields.

@@ -3,6 +3,8 @@ counts, classification, dead letters, duplicates, the stale guard, EventContext.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import uuid
 
 import pytest
@@ -13,7 +15,8 @@ from sqlalchemy.orm import Session
 
 import inbox
 from inbox import EventContext, InboxEvent, Permanent, Retryable
-from inbox.testing import InboxHarness
+from inbox.envelopes import Debezium
+from inbox.testing import InboxHarness, Record
 from outbox import TOMBSTONE, Outbox
 from outbox.settings import OutboxSettings
 from outbox.testing import published
@@ -94,6 +97,59 @@ async def test_stale_events_and_unknown_types_follow_the_policies(
     async with InboxHarness(_app([]), dead_letter_unknown) as harness:
         asked = await harness.deliver("job.unknown", Job())
     assert asked.outcome == "dead_lettered"
+
+
+class Order(BaseModel):
+    order_id: int
+
+
+def _debezium_app(seen: list[EventContext]) -> inbox.Consumer:
+    """Events without a type (Debezium's outbox router by default), routed by topic."""
+    app = inbox.Consumer(
+        name=f"harness-{uuid.uuid4().hex[:8]}",
+        topics=["outbox.event.order"],
+        envelope=Debezium(sequence_header="version"),
+    )
+
+    @app.handler(topic="outbox.event.order", max_attempts=2, stale="skip")
+    async def on_order(order: Order, session: AsyncSession, ctx: EventContext) -> None:
+        seen.append(ctx)
+        if order.order_id < 0:
+            raise Retryable("inventory busy")
+
+    return app
+
+
+async def test_topic_handlers_get_retries_dead_letters_the_guard_and_context(
+    settings: OutboxSettings,
+) -> None:
+    seen: list[EventContext] = []
+    async with InboxHarness(_debezium_app(seen), settings) as harness:
+
+        def order(event_id: str, order_id: int, version: int) -> Record:
+            payload = json.dumps(json.dumps({"order_id": order_id}))  # the router's string
+            headers = {"id": event_id, "version": str(version)}
+            return harness.record(payload.encode(), key="o1", headers=headers)
+
+        first = await harness.deliver(order("e1", 1, 1))
+        duplicate = await harness.deliver(order("e1", 1, 1))  # a second copy, another offset
+        stale = await harness.deliver(order("e0", 1, 1))  # an older version of key o1
+        retried = await harness.deliver(order("e2", -1, 2))  # fails twice: dead-lettered
+        unreadable = await harness.deliver(harness.record(b"{}", key="o1"))  # no id header
+        invalid = await harness.deliver(
+            dataclasses.replace(order("e3", 1, 3), value=b'{"order_id": "x"}')
+        )
+    assert (first.outcome, first.event.event_id, first.event.event_type) == ("handled", "e1", None)
+    assert seen[0].attempt == 1 and seen[0].key == b"o1" and seen[0].sequence == 1
+    assert duplicate.outcome == "duplicate" and stale.outcome == "stale"
+    assert retried.outcome == "dead_lettered" and retried.runs == 2
+    assert retried.dead_letter is not None and retried.dead_letter.event_id == "e2"
+    assert unreadable.outcome == "dead_lettered" and unreadable.dead_letter is not None
+    assert unreadable.dead_letter.error_class == "MalformedRecord"
+    assert unreadable.dead_letter.error_message == "debezium: no 'id' header with the event id"
+    assert invalid.dead_letter is not None and invalid.dead_letter.error_class == "ValidationError"
+    # Dead letters carry the record as the producer wrote it, not the unwrapped payload.
+    assert retried.dead_letter.value == json.dumps(json.dumps({"order_id": -1})).encode()
 
 
 class Profile(BaseModel):

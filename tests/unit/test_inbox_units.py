@@ -10,7 +10,7 @@ from pydantic import BaseModel, ValidationError
 from sqlalchemy.exc import IntegrityError, OperationalError
 
 import inbox
-from inbox.event import decode
+from inbox.envelopes.cloudevents import decode
 from inbox.failures import classify, crashed
 from outbox.errors import InvalidIdentifier
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import subprocess
@@ -35,5 +36,79 @@ def test_the_held_snapshot_rule_needs_both_an_old_snapshot_and_dead_outbox_rows(
 def test_alert_rules_pass_promtool() -> None:
     proc = subprocess.run(
         ["promtool", "check", "rules", str(ALERTS)], capture_output=True, text=True, check=False
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+DASHBOARD = ROOT / "deploy" / "grafana" / "outbox-dashboard.json"
+
+
+def test_consumer_lag_comes_from_the_consumers_with_kafka_exporter_as_fallback() -> None:
+    expr = _rules()["InboxConsumerLagHigh"]["expr"]
+    own, fallback = re.split(r"\sor\s", expr)
+    assert "outbox_inbox_lag_records" in own and "kafka_consumergroup_lag" in fallback
+    panels = json.loads(DASHBOARD.read_text())["panels"]
+    lag = next(p for p in panels if p.get("title") == "Consumer lag (records)")
+    own, fallback = re.split(r"\sor\s", lag["targets"][0]["expr"])
+    assert "outbox_inbox_lag_records" in own and "kafka_consumergroup_lag" in fallback
+
+
+LAG_TESTS = """
+rule_files: [{rules}]
+evaluation_interval: 1m
+tests:
+  - interval: 1m
+    input_series:
+      # billing exports its own lag; the exporter's (stale) figure for it must not count.
+      - series: 'outbox_inbox_lag_records{{consumer="billing",topic="orders",partition="0"}}'
+        values: '6000x20'
+      - series: 'outbox_inbox_lag_records{{consumer="billing",topic="orders",partition="1"}}'
+        values: '6000x20'
+      - series: 'kafka_consumergroup_lag{{consumergroup="billing",topic="orders",partition="0"}}'
+        values: '1x20'
+      # shipping exports none (an older consumer): the exporter's figure is used.
+      - series: 'kafka_consumergroup_lag{{consumergroup="shipping",topic="orders",partition="0"}}'
+        values: '20000x20'
+      # mail is fine.
+      - series: 'outbox_inbox_lag_records{{consumer="mail",topic="orders",partition="0"}}'
+        values: '3x20'
+      - series: 'up{{job="outbox-consumer"}}'
+        values: '1x20'
+    alert_rule_test:
+      - eval_time: 15m
+        alertname: InboxConsumerLagHigh
+        exp_alerts:
+          - exp_labels: {{severity: warning, consumer: billing}}
+            exp_annotations:
+              summary: "Consumer billing lags 12000 records"
+              description: "Per-partition detail: `outbox lag --group billing`."
+          - exp_labels: {{severity: warning, consumer: shipping}}
+            exp_annotations:
+              summary: "Consumer shipping lags 20000 records"
+              description: "Per-partition detail: `outbox lag --group shipping`."
+      - eval_time: 15m
+        alertname: InboxConsumerDown
+        exp_alerts: []
+  - interval: 1m
+    input_series:
+      - series: 'up{{job="outbox-consumer"}}'
+        values: '0x10'
+    alert_rule_test:
+      - eval_time: 8m
+        alertname: InboxConsumerDown
+        exp_alerts:
+          - exp_labels: {{severity: critical}}
+            exp_annotations:
+              summary: "No inbox consumer is up: events are not being applied"
+              description: "Start `outbox consume MODULE:ATTR`; `outbox lag` shows the backlog."
+"""
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed")
+def test_lag_alert_fires_per_consumer_from_its_own_gauge_or_the_exporters(tmp_path: Path) -> None:
+    tests = tmp_path / "lag_tests.yml"
+    tests.write_text(LAG_TESTS.format(rules=json.dumps(str(ALERTS))))
+    proc = subprocess.run(
+        ["promtool", "test", "rules", str(tests)], capture_output=True, text=True, check=False
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
