@@ -64,6 +64,24 @@ def through(settings: OutboxSettings, bouncer: PgBouncer, **update: Any) -> Outb
     return settings.model_copy(update={"database_url": SecretStr(url), **update})
 
 
+def in_threads(worker: Callable[[int], None], n: int) -> list[BaseException]:
+    """Run ``worker(0..n-1)`` in n threads; what they raised."""
+    errors: list[BaseException] = []
+
+    def guarded(w: int) -> None:
+        try:
+            worker(w)
+        except Exception as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=guarded, args=(w,)) for w in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return errors
+
+
 def outbox_rows(engine: Engine, settings: OutboxSettings) -> int:
     events = Outbox(settings).tables.events
     with engine.connect() as conn:
@@ -168,27 +186,18 @@ def test_sync_engine_publishes_3000_events_through_a_transaction_pooler(
     )
     pooled = sync_engine(s, pool_size=6)
     outbox = Outbox(s)
-    errors: list[BaseException] = []
 
     def worker(w: int) -> None:
         for n in range(500):
-            try:
-                with Session(pooled) as session, session.begin():
-                    outbox.publish(
-                        session, topic="t", key=f"k{n % 7}", event_type="e", payload={"w": w}
-                    )
-            except Exception as exc:
-                errors.append(exc)
+            with Session(pooled) as session, session.begin():
+                outbox.publish(
+                    session, topic="t", key=f"k{n % 7}", event_type="e", payload={"w": w}
+                )
 
-    threads = [threading.Thread(target=worker, args=(w,)) for w in range(6)]
     try:
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        assert in_threads(worker, 6) == []
     finally:
         pooled.dispose()
-    assert errors == []
     assert outbox_rows(engine, s) == 3000
 
 
@@ -229,38 +238,29 @@ def test_idempotency_keys_and_effects_run_through_a_transaction_pooler(
     keys, effects, outbox = IdempotencyKeys(s), Effects(s), Outbox(s)
     scope = f"pool-{uuid.uuid4().hex[:8]}"
     calls: list[str] = []
-    errors: list[BaseException] = []
 
     def worker(w: int) -> None:
         for n in range(30):
             key = f"{w}-{n}"
             body = {"amount": n}
-            try:
-                for _ in range(2):  # the second run of each is a replay
-                    keys.run(
-                        pooled,
-                        scope=scope,
-                        key=key,
-                        payload=body,
-                        operation=lambda session, key=key, body=body: write_effect(
-                            session, outbox, scope, key, body
-                        ),
-                    )
-                    effects.run(
-                        pooled, key=f"{scope}-{key}", payload=body, call=lambda k: calls.append(k)
-                    )
-            except Exception as exc:
-                errors.append(exc)
+            for _ in range(2):  # the second run of each is a replay
+                keys.run(
+                    pooled,
+                    scope=scope,
+                    key=key,
+                    payload=body,
+                    operation=lambda session, key=key, body=body: write_effect(
+                        session, outbox, scope, key, body
+                    ),
+                )
+                effects.run(
+                    pooled, key=f"{scope}-{key}", payload=body, call=lambda k: calls.append(k)
+                )
 
-    threads = [threading.Thread(target=worker, args=(w,)) for w in range(4)]
     try:
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        assert in_threads(worker, 4) == []
     finally:
         pooled.dispose()
-    assert errors == []
     assert len(calls) == len(set(calls)) == 120  # each effect called once, replayed once
     with engine.connect() as conn:
         rows = conn.execute(
