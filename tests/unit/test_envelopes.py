@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import base64
 import json
-from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -30,17 +29,7 @@ from inbox.envelopes import (
 from inbox.envelopes.base import EVENT_ID_HEADER
 from inbox.errors import EnvelopeError, Unreadable
 from inbox.event import InboxEvent
-
-
-@dataclass
-class Rec:
-    topic: str = "t"
-    partition: int = 2
-    offset: int = 7
-    key: bytes | None = b"k"
-    value: bytes | None = b"{}"
-    headers: tuple[tuple[str, bytes], ...] = ()
-    timestamp: int = 1_700_000_000_000
+from tests.support.records import Rec
 
 
 def rec(value: bytes | None, headers: dict[str, bytes] | None = None, **kw: Any) -> Rec:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import psycopg.errors
 import pytest
 from pydantic import BaseModel, ValidationError
@@ -13,17 +11,7 @@ import inbox
 from inbox.envelopes.cloudevents import decode
 from inbox.failures import classify, crashed
 from outbox.errors import InvalidIdentifier
-
-
-@dataclass
-class Rec:
-    topic: str = "t"
-    partition: int = 2
-    offset: int = 7
-    key: bytes | None = b"k"
-    value: bytes | None = b"{}"
-    headers: tuple[tuple[str, bytes], ...] = ()
-    timestamp: int = 1_700_000_000_000
+from tests.support.records import Rec
 
 
 class Thing(BaseModel):
