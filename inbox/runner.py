@@ -30,6 +30,7 @@ from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
 from inbox.app import Consumer
+from inbox.connections import Connections
 from inbox.event import InboxEvent, decode
 from inbox.kafka import KafkaSink, dlq_producer, ensure_topics
 from inbox.metrics import Metrics
@@ -142,6 +143,7 @@ class ConsumerDaemon:
         self._autocommit = async_engine(
             self.settings, pool_pre_ping=False, isolation_level="AUTOCOMMIT", **pool
         )
+        self._connections = Connections(self._autocommit)
         sessions = async_sessionmaker(self._engine, expire_on_commit=False)
         producer = dlq_producer(settings)
         self._kafka = kafka
@@ -163,6 +165,7 @@ class ConsumerDaemon:
             await self.release(list(self._lanes))
             await kafka.stop()  # leaves the group so partitions move on at once
             await producer.stop()
+            await self._connections.close()
             await self._engine.dispose()
             await self._autocommit.dispose()
             log.info("consumer stopped", extra={"consumer": self.app.name, **self._counts()})
@@ -288,7 +291,7 @@ class ConsumerDaemon:
                 config=self.settings.consumer,
                 store=self._store,
                 sessions=sessions,
-                autocommit=self._autocommit,
+                connections=self._connections,
                 sink=sink,
                 policy=self._policy,
                 metrics=self.metrics,
