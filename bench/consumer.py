@@ -447,6 +447,11 @@ def _covered(
     return all(high.get(p, 0) > off for p, off in last.items())
 
 
+def _describe(config: ConsumerSettings) -> str:
+    linger = getattr(config, "linger_ms", None)  # older code has no fetch linger
+    return "fetch linger: none" if linger is None else f"fetch linger {linger} ms"
+
+
 def pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))]
 
@@ -474,16 +479,24 @@ async def main(args: argparse.Namespace) -> None:
     settings = base.model_copy(
         update={"database_url": type(base.database_url)(url.render_as_string(False))}
     )
+    # Consumer settings of every part (the code under test's defaults unless given).
+    consumer = {"linger_ms": args.linger_ms} if args.linger_ms is not None else {}
+    settings = settings.model_copy(update={"consumer": ConsumerSettings(**consumer)})
     results: dict[str, float] = {}
     try:
-        print(f"consumer bench: {args.partitions} partitions, payload ~300 B; {load()}")
+        print(
+            f"consumer bench: {args.partitions} partitions, payload ~300 B, "
+            f"{_describe(settings.consumer)}; {load()}"
+        )
         runs = [
             ("batch", "orm", args.events),
             ("batch", "execute", args.events),
             ("event", "orm", args.events_per_event_mode),
         ]
         for mode, handler, n in runs if "throughput" in args.parts else []:
-            s = settings.model_copy(update={"consumer": ConsumerSettings(transaction_per=mode)})
+            s = settings.model_copy(
+                update={"consumer": settings.consumer.model_copy(update={"transaction_per": mode})}
+            )
             topic = await create_topic(s, args.partitions, prefix="bench-inbox")
             await produce_all(s, topic, n)
             elapsed, counted, cpu, per_txn = await drain(s, topic, n, handler)
@@ -536,6 +549,11 @@ if __name__ == "__main__":
     parser.add_argument("--latency-seconds", type=float, default=15)
     parser.add_argument("--rate", type=int, default=1_000)
     parser.add_argument("--latency-handler", choices=["orm", "execute"], default="orm")
+    parser.add_argument(
+        "--linger-ms",
+        type=int,
+        help="OUTBOX_CONSUMER__LINGER_MS for every part (default: the settings' default)",
+    )
     parser.add_argument(
         "--parts",
         type=lambda v: set(v.split(",")),

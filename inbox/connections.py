@@ -58,8 +58,11 @@ class Connections:
     _free: list[Held] = field(default_factory=list)
 
     async def take(self) -> Held:
-        if self._free:
-            return self._free.pop()
+        while self._free:
+            held = self._free.pop()
+            if not held.raw.closed:  # what the driver already knows died while idle
+                return held
+            await _discard(held)
         sa = await self.engine.connect()
         try:
             raw = (await sa.get_raw_connection()).driver_connection

@@ -96,34 +96,53 @@ def header_text(headers: Sequence[tuple[str, bytes]], name: str) -> str | None:
     return None
 
 
-def _text(headers: Sequence[tuple[str, bytes]], name: str) -> str | None:
-    for hname, raw in reversed(headers):
-        if hname == name:
-            try:
-                text = bytes(raw).decode("utf-8")
-            except UnicodeDecodeError:
-                return None
-            return text or None
-    return None
+def _text(raw: bytes | None) -> str | None:
+    """A CloudEvents attribute header's value: UTF-8, not empty; else None."""
+    if not raw:
+        return None
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
 
 
 def decode(record: KafkaRecord) -> InboxEvent:
-    headers = tuple((name, bytes(value or b"")) for name, value in record.headers)
-    event_id = _text(headers, "ce_id")
-    event_type = _text(headers, "ce_type")
+    """The event in ``record``: its id and type from the CloudEvents binary headers (the
+    last ``ce_id`` / ``ce_type`` wins when repeated), or malformed.
+
+    This runs once per consumed record, so it reads the headers in one pass and keeps
+    aiokafka's (name, bytes) pairs as they are; other header values (a null header, a
+    buffer) are made bytes.
+    """
+    raw = record.headers
+    event_id = event_type = None
+    exact = True
+    for item in raw:
+        name, value = item
+        if type(value) is not bytes or type(item) is not tuple:
+            exact = False
+            value = bytes(value or b"")
+        if name == "ce_id":
+            event_id = value
+        elif name == "ce_type":
+            event_type = value
+    headers = tuple(raw) if exact else tuple((n, bytes(v or b"")) for n, v in raw)
+    eid, etype = _text(event_id), _text(event_type)
     problem = None
-    if event_id is None:
+    if eid is None:
         problem = "missing or invalid ce_id header"
-    elif len(event_id) > 255:
+    elif len(eid) > 255:
         problem = "ce_id header longer than 255 characters"
-    elif event_type is None:
+    elif etype is None:
         problem = "missing or invalid ce_type header"
     if problem is not None:
-        event_id = f"{record.topic}:{record.partition}:{record.offset}"
-    assert event_id is not None
-    return InboxEvent(
-        event_id=event_id,
-        event_type=event_type,
+        eid = f"{record.topic}:{record.partition}:{record.offset}"
+    # Every field set at once: a frozen dataclass's __init__ sets them one by one through
+    # object.__setattr__, half of this function's cost.
+    event = object.__new__(InboxEvent)
+    event.__dict__.update(
+        event_id=eid,
+        event_type=etype,
         topic=record.topic,
         partition=record.partition,
         offset=record.offset,
@@ -133,3 +152,4 @@ def decode(record: KafkaRecord) -> InboxEvent:
         malformed=problem,
         timestamp_ms=record.timestamp,
     )
+    return event

@@ -745,11 +745,10 @@ async def _commit(held: Held, session: AsyncSession) -> None:
 
     When the handlers used the session, SQLAlchemy began its own transaction on the
     connection (no BEGIN is sent in autocommit mode: it joined the server's, opened by the
-    claim), and its commit sends COMMIT. Otherwise nothing of SQLAlchemy's is open and the
-    COMMIT goes straight to the driver.
+    claim), and its commit sends COMMIT. Otherwise nothing of SQLAlchemy's is open, its
+    commit does nothing, and the COMMIT goes straight to the driver.
     """
-    if held.sa.in_transaction() or session.new or session.dirty or session.deleted:
-        await session.commit()
+    await session.commit()
     if held.raw.info.transaction_status != TransactionStatus.IDLE:
         await held.raw.commit()
 

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import psycopg
 from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
 from aiokafka.abc import ConsumerRebalanceListener
 from aiokafka.errors import CommitFailedError, IllegalStateError, KafkaError
@@ -33,6 +34,7 @@ from inbox.app import Consumer
 from inbox.connections import Connections
 from inbox.event import InboxEvent, decode
 from inbox.kafka import KafkaSink, dlq_producer, ensure_topics
+from inbox.linger import FetchLinger
 from inbox.metrics import Metrics
 from inbox.processor import PartitionProcessor, process_together
 from inbox.store import InboxStore
@@ -58,7 +60,10 @@ def _transient(exc: BaseException) -> bool:
     charging the events an attempt."""
     if isinstance(exc, OutboxError):
         return exc.retriable
+    # SQLAlchemy's, or psycopg's own from the hot path's statements (inbox/store.py).
     if isinstance(exc, OperationalError | InterfaceError):
+        return True
+    if isinstance(exc, psycopg.OperationalError | psycopg.InterfaceError):
         return True
     if isinstance(exc, DBAPIError):
         return bool(exc.connection_invalidated)
@@ -157,7 +162,7 @@ class ConsumerDaemon:
                 "consumer started",
                 extra={"consumer": self.app.name, "topics": list(self.app.topics)},
             )
-            await self._loop(stop, sessions, KafkaSink(producer))
+            await self._loop(stop, sessions, KafkaSink(producer), self._linger(kafka))
         finally:
             self._running = False
             if self._watcher is not None:
@@ -253,8 +258,18 @@ class ConsumerDaemon:
             else:
                 self.kafka.failed("metadata request failed")
 
+    def _linger(self, kafka: AIOKafkaConsumer) -> FetchLinger:
+        """The fetch linger (inbox/linger.py), unless the app tunes fetching itself."""
+        tuned = {"fetch_min_bytes", "fetch_max_wait_ms"} & set(self.app.kafka_options)
+        linger = 0 if tuned else self.settings.consumer.linger_ms
+        return FetchLinger(kafka._fetcher, linger)
+
     async def _loop(
-        self, stop: asyncio.Event, sessions: async_sessionmaker[AsyncSession], sink: KafkaSink
+        self,
+        stop: asyncio.Event,
+        sessions: async_sessionmaker[AsyncSession],
+        sink: KafkaSink,
+        linger: FetchLinger,
     ) -> None:
         assert self._kafka is not None
         config = self.settings.consumer
@@ -266,6 +281,7 @@ class ConsumerDaemon:
                 batches = await self._kafka.getmany(
                     timeout_ms=config.fetch_timeout_ms, max_records=config.max_batch_records * 4
                 )
+                linger.fetched(bool(batches))
                 if batches:
                     self.kafka.ok()  # records arrived: Kafka is back (if it was gone)
                 for tp, records in batches.items():
@@ -560,7 +576,7 @@ def _cause(exc: BaseException) -> str:
     """The error's class and, for framework errors, its message (they never hold secrets)."""
     if isinstance(exc, OutboxError):
         return f"{type(exc).__name__}: {exc}"
-    if isinstance(exc, DBAPIError):
+    if isinstance(exc, DBAPIError | psycopg.Error):
         return str(unavailable(exc))
     return type(exc).__name__
 
