@@ -33,9 +33,10 @@ Keeping that marker costs almost nothing on the hot path:
   run as well: such a record runs max_attempts - 1 times instead of max_attempts. A
   record whose own run killed the process is counted exactly (max_attempts runs).
 
-Fast path: one transaction per run: all inbox rows claimed in one statement (which also
-opens the transaction, BEGIN riding in its round trip), handlers run one after another,
-one commit. If anything raises, the transaction is rolled back and the
+Fast path: one transaction per run, on a connection kept open between transactions: all
+inbox rows claimed in one statement (which also opens the transaction, BEGIN riding in its
+round trip), handlers run one after another in a session bound to that connection, one
+commit (:func:`_transaction`). If anything raises, the transaction is rolled back and the
 run is repeated with a SAVEPOINT per event, so a failing event does not undo its
 neighbours; the failing event is then dead-lettered (permanent error) or, for a retryable
 one, the events before it are committed and it is retried *alone* ("careful" mode) with a

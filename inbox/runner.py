@@ -89,6 +89,9 @@ class ConsumerDaemon:
     _engine: AsyncEngine | None = field(default=None, init=False)
     _kafka: AIOKafkaConsumer | None = field(default=None, init=False)
     _lanes: dict[TopicPartition, _Lane] = field(default_factory=dict, init=False)
+    # The lanes holding fetched records not finished yet: what a shared transaction scans
+    # for company (a process with many quiet partitions does not pay for each of them).
+    _queued: dict[TopicPartition, _Lane] = field(default_factory=dict, init=False)
     _pending_offsets: dict[TopicPartition, int] = field(default_factory=dict, init=False)
     _offsets_ready: asyncio.Event = field(default_factory=asyncio.Event, init=False)
     _failure: BaseException | None = field(default=None, init=False)
@@ -134,15 +137,16 @@ class ConsumerDaemon:
         kafka = kafka_consumer(
             settings, group_id=self.app.name, enable_auto_commit=False, **options
         )
-        # Two pools. Runs and shared transactions start on the autocommit one, where the
-        # claim opens the transaction itself (BEGIN rides in its round trip) and attempt
-        # markers commit alone; the paths that begin with other statements (savepoints,
-        # retries alone, dead letters) use the ordinary one. Separate pools, because
-        # switching a pooled connection's mode costs CPU on every checkout.
+        # Two pools. Runs and shared transactions start on connections of the autocommit
+        # one, kept open between transactions (inbox/connections.py), where the claim opens
+        # the transaction itself (BEGIN rides in its round trip) and attempt markers commit
+        # alone; the paths that begin with other statements (savepoints, retries alone,
+        # dead letters) use the ordinary one. Separate pools, because switching a pooled
+        # connection's mode costs CPU on every checkout.
         #
-        # No pre-ping: it costs a round trip per transaction. A connection that died in the
-        # pool fails the run's first statement instead; that is an infrastructure error
-        # (the run is retried, no attempt charged) and the pool then replaces it.
+        # No pre-ping: it costs a round trip per transaction. A connection that died fails
+        # the run's first statement instead; that is an infrastructure error (the run is
+        # retried, no attempt charged) and the connection is replaced.
         pool = {"pool_size": config.max_concurrent_partitions + 2, "max_overflow": 4}
         self._engine = async_engine(self.settings, pool_pre_ping=False, **pool)
         self._autocommit = async_engine(
@@ -388,6 +392,9 @@ class ConsumerDaemon:
         """
         lanes = [lane for tp in tps if (lane := self._lanes.pop(tp, None)) is not None]
         for lane in lanes:
+            if self._queued.get(lane.tp) is lane:
+                del self._queued[lane.tp]  # not taken along by a shared transaction any more
+        for lane in lanes:
             lane.processor.stopping.set()
             lane.wake.set()
         await asyncio.gather(*(lane.task for lane in lanes if lane.task), return_exceptions=True)
@@ -415,6 +422,7 @@ class _Lane:
 
     def feed(self, records: list[ConsumerRecord[bytes, bytes]]) -> None:
         self.events.extend(map(decode, records))
+        self.daemon._queued[self.tp] = self
         self.wake.set()
         # Backpressure: stop fetching this partition while it is far behind.
         limit = self.daemon.settings.consumer.max_batch_records * 4
@@ -515,6 +523,8 @@ class _Lane:
     def _trim(self) -> None:
         """Drop what is finished; the rest (a stop or an error) is tried again."""
         del self.events[: bisect.bisect_left(self.events, self.position, key=_offset)]
+        if not self.events and self.daemon._queued.get(self.tp) is self:
+            del self.daemon._queued[self.tp]
         if self.paused and len(self.events) < self.daemon.settings.consumer.max_batch_records:
             self.paused = False
             with contextlib.suppress(IllegalStateError):
@@ -550,7 +560,7 @@ class _Lane:
         members = [(self.processor, mine)]
         taken: list[_Lane] = []
         size = len(mine)
-        for lane in list(self.daemon._lanes.values()):
+        for lane in list(self.daemon._queued.values()):
             if lane is self or lane.busy or not lane.events:
                 continue
             run = lane.processor.ready_run(lane.queued)

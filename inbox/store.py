@@ -122,13 +122,15 @@ class _Statements:
         # One row per event from one array per column: the statement text (and a server
         # plan prepared for it) is the same for any number of events. A row left
         # `replaying` by `outbox dlq replay` counts as new exactly once (see claim()).
+        # The arrays travel in binary (%b): psycopg's text format escapes every element,
+        # ~10x the CPU, per event.
         claim = sql.SQL(
             'INSERT INTO {inbox} AS i (consumer, event_id, topic, partition, "offset", '
             "event_type, status, attempts, last_error, processed_at) "
             "SELECT %(consumer)s, m.event_id, m.topic, m.partition, m.offset, m.event_type, "
             "%(status)s, %(attempts)s, %(last_error)s, now() "
-            "FROM unnest(%(ids)s::text[], %(topics)s::text[], %(partitions)s::integer[], "
-            "%(offsets)s::bigint[], %(types)s::text[]) "
+            "FROM unnest(%(ids)b::text[], %(topics)b::text[], %(partitions)b::integer[], "
+            "%(offsets)b::bigint[], %(types)b::text[]) "
             'AS m(event_id, topic, partition, "offset", event_type) '
             "ON CONFLICT (consumer, event_id) DO UPDATE SET topic = excluded.topic, "
             'partition = excluded.partition, "offset" = excluded."offset", '
@@ -148,8 +150,8 @@ class _Statements:
             "attempts, last_error, updated_at) "
             "SELECT %(consumer)s, a.topic, a.partition, a.start_offset, a.end_offset, 1, "
             "NULL, now() "
-            "FROM unnest(%(m_topics)s::text[], %(m_partitions)s::integer[], "
-            "%(m_starts)s::bigint[], %(m_ends)s::bigint[]) "
+            "FROM unnest(%(m_topics)b::text[], %(m_partitions)b::integer[], "
+            "%(m_starts)b::bigint[], %(m_ends)b::bigint[]) "
             "AS a(topic, partition, start_offset, end_offset) {upsert}"
         ).format(attempts=attempts, upsert=upsert)
         key = sql.SQL("consumer = %(consumer)s AND topic = %(topic)s AND partition = %(partition)s")
