@@ -451,8 +451,10 @@ class _Lane:
             if not self.events:
                 self.wake.clear()
                 if rest and self.processor.armed_ahead:
+                    # asyncio.timeout, not wait_for: no task of its own per wake-up.
                     with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self.wake.wait(), rest)
+                        async with asyncio.timeout(rest):
+                            await self.wake.wait()
                     if not self.wake.is_set():
                         await self._rest()
                 else:
