@@ -14,6 +14,8 @@ COUNTERS = {
     "dead_lettered": "Events sent to a dead-letter topic.",
     "skipped": "Unknown or malformed events skipped by policy.",
     "stale": "Events older than their key's applied sequence, skipped by the guard.",
+    "transactions": "Handler transactions committed; processed / transactions is the "
+    "events per transaction (see OUTBOX_CONSUMER__LINGER_MS).",
 }
 
 
@@ -63,6 +65,9 @@ class Metrics:
 
     def stale(self, n: int = 1) -> None:
         self._inc("stale", n)
+
+    def transactions(self, n: int = 1) -> None:
+        self._inc("transactions", n)
 
     def handler_seconds(self, seconds: float) -> None:
         self._handler_seconds.observe(seconds)

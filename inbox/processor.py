@@ -537,6 +537,8 @@ class PartitionProcessor:
         return len(chunk)
 
     def _count(self, processed: int, duplicates: int, dead: int, skipped: int) -> None:
+        """The outcome of one committed careful-path transaction."""
+        self.metrics.transactions()
         self.metrics.processed(processed)
         self.metrics.duplicates(duplicates)
         self.metrics.dead_lettered(dead)
@@ -738,6 +740,7 @@ async def _transaction(
             raise _Stop(at, exc) from exc
     finally:
         await connections.give(held)
+    lead.metrics.transactions()
     return fresh, unique
 
 

@@ -147,7 +147,7 @@ def test_consumer_exports_every_referenced_metric_from_start(
         "outbox_inbox_",
         {"outbox_inbox_processed_total", "outbox_inbox_dead_lettered_total"},
     )
-    assert len(counters) == 6
+    assert len(counters) == 7
     assert all(k.endswith(f"{{consumer={consumer}}}") for k in counters)
     # The CLI's own messages are JSON records too, their figures as fields.
     started = [line for line in lines if str(line["msg"]).startswith(f"consumer {consumer} on")]
