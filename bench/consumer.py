@@ -1,7 +1,8 @@
-"""Inbox consumer throughput and latency.
+"""Inbox consumer throughput, latency and CPU cost.
 
     python -m bench.consumer [--events 40000] [--partitions 8] [--latency-seconds 15]
-                             [--parts throughput,latency,e2e]
+                             [--parts throughput,latency,e2e] [--linger-ms N]
+                             [--profile DIR]
 
 1. Throughput: ``--events`` CloudEvents records (~300 B JSON) are produced to a fresh topic
    first, then one consumer drains them with inbox dedupe and a handler inserting one row:
@@ -23,6 +24,21 @@
    transaction, ``Outbox.publish``), an ``outbox relay`` subprocess publishes them, and
    latency = producer commit returned -> the handler's database commit returned.
 
+Every part prints the consumer's CPU (user + system of this process, which runs the
+consumer) per event and per database transaction, and how many events a transaction
+carried on average, counted from the inbox rows themselves (distinct ``xmin``), so the
+figures mean the same for any version of the consumer code. ``--profile DIR`` samples
+where that CPU goes (``bench/cpuprofile.py``) and prints the top entries; the profiler's
+own cost is small but take figures from runs without it.
+
+Before/after: this file runs against an older checkout too. Put this ``bench`` directory,
+alone, next to nothing else and run it with the old checkout's interpreter (its
+``inbox``/``outbox`` are then the ones imported)::
+
+    mkdir -p /tmp/newbench && ln -sfn "$PWD/bench" /tmp/newbench/bench
+    (cd /tmp/newbench && /path/to/old/.venv/bin/python -m bench.consumer ...)
+
+Alternate old and new runs (noise here is ±30%); ``--linger-ms`` needs code that has it.
 Figures depend heavily on what else runs on the machine: the report prints the load.
 """
 

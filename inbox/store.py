@@ -19,6 +19,7 @@ statements (dead letters, replay) stay on SQLAlchemy Core: they are rare.
 from __future__ import annotations
 
 import datetime as dt
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -119,19 +120,18 @@ class _Statements:
     @classmethod
     def of(cls, tables: Tables) -> _Statements:
         inbox, attempts = _name(tables.inbox), _name(tables.inbox_attempts)
-        # One row per event from one array per column: the statement text (and a server
-        # plan prepared for it) is the same for any number of events. A row left
-        # `replaying` by `outbox dlq replay` counts as new exactly once (see claim()).
-        # The arrays travel in binary (%b): psycopg's text format escapes every element,
-        # ~10x the CPU, per event.
+        # The events travel as one JSON array of [id, topic, partition, offset, type]
+        # rows: the statement text (and a server plan prepared for it) is the same for any
+        # number of events, and json.dumps (C) costs a fifth of the client CPU of five
+        # arrays adapted by psycopg (~0.7 against ~3 µs per event, plus ~10 µs per array).
+        # A row left `replaying` by `outbox dlq replay` counts as new exactly once (see
+        # claim()).
         claim = sql.SQL(
             'INSERT INTO {inbox} AS i (consumer, event_id, topic, partition, "offset", '
             "event_type, status, attempts, last_error, processed_at) "
-            "SELECT %(consumer)s, m.event_id, m.topic, m.partition, m.offset, m.event_type, "
+            "SELECT %(consumer)s, m->>0, m->>1, (m->>2)::integer, (m->>3)::bigint, m->>4, "
             "%(status)s, %(attempts)s, %(last_error)s, now() "
-            "FROM unnest(%(ids)b::text[], %(topics)b::text[], %(partitions)b::integer[], "
-            "%(offsets)b::bigint[], %(types)b::text[]) "
-            'AS m(event_id, topic, partition, "offset", event_type) '
+            "FROM json_array_elements(%(events)s::json) AS m "
             "ON CONFLICT (consumer, event_id) DO UPDATE SET topic = excluded.topic, "
             'partition = excluded.partition, "offset" = excluded."offset", '
             "status = excluded.status, attempts = excluded.attempts, "
@@ -148,11 +148,8 @@ class _Statements:
         arm = sql.SQL(
             "INSERT INTO {attempts} (consumer, topic, partition, start_offset, end_offset, "
             "attempts, last_error, updated_at) "
-            "SELECT %(consumer)s, a.topic, a.partition, a.start_offset, a.end_offset, 1, "
-            "NULL, now() "
-            "FROM unnest(%(m_topics)b::text[], %(m_partitions)b::integer[], "
-            "%(m_starts)b::bigint[], %(m_ends)b::bigint[]) "
-            "AS a(topic, partition, start_offset, end_offset) {upsert}"
+            "SELECT %(consumer)s, a->>0, (a->>1)::integer, (a->>2)::bigint, (a->>3)::bigint, "
+            "1, NULL, now() FROM json_array_elements(%(arm)s::json) AS a {upsert}"
         ).format(attempts=attempts, upsert=upsert)
         key = sql.SQL("consumer = %(consumer)s AND topic = %(topic)s AND partition = %(partition)s")
         sequences = _name(tables.inbox_sequences)
@@ -263,20 +260,17 @@ class InboxStore:
         last_error: str | None,
         arm: Sequence[Arm],
     ) -> tuple[bytes, dict[str, Any]]:
+        rows = [(e.event_id, e.topic, e.partition, e.offset, e.event_type) for e in events]
         params: dict[str, Any] = {
             "consumer": consumer,
             "status": status,
             "attempts": attempts,
             "last_error": last_error,
-            "ids": [e.event_id for e in events],
-            "topics": [e.topic for e in events],
-            "partitions": [e.partition for e in events],
-            "offsets": [e.offset for e in events],
-            "types": [e.event_type for e in events],
+            "events": json.dumps(rows),
         }
         if not arm:
             return self._sql.claim, params
-        return self._sql.claim_arm, params | _arm_params(arm)
+        return self._sql.claim_arm, params | {"arm": json.dumps(arm)}
 
     async def inbox_status(self, db: Executor, consumer: str, event_id: str) -> str | None:
         inbox = self.tables.inbox
@@ -312,7 +306,7 @@ class InboxStore:
     async def arm_markers(self, db: Db, consumer: str, runs: Sequence[Arm]) -> None:
         """Arm several partitions' markers in one statement: (topic, partition, start
         offset, end offset) each, one attempt, no error."""
-        params = {"consumer": consumer} | _arm_params(runs)
+        params = {"consumer": consumer, "arm": json.dumps(runs)}
         await (await _driver(db)).execute(self._sql.arm, params)
 
     async def finish_marker(self, db: Db, consumer: str, topic: str, partition: int) -> None:
@@ -457,12 +451,3 @@ class InboxStore:
             delete(table).where(table.c.consumer == consumer)
             for table in (t.inbox, t.inbox_attempts, t.dead_letters, t.inbox_sequences)
         ]
-
-
-def _arm_params(runs: Sequence[Arm]) -> dict[str, Any]:
-    return {
-        "m_topics": [topic for topic, _, _, _ in runs],
-        "m_partitions": [partition for _, partition, _, _ in runs],
-        "m_starts": [start for _, _, start, _ in runs],
-        "m_ends": [end for _, _, _, end in runs],
-    }
