@@ -56,7 +56,10 @@ commit. A crash inside it leaves each partition's marker armed, exactly as concu
 per-partition runs would. If it fails, it is rolled back and every partition
 runs alone again (its marker is still armed for it, so that costs no marker write); the
 partition whose handler raised resumes from that failure as after a failed run of its own
-(first attempt counted), in its own lane so its retries block no other partition.
+(first attempt counted), in its own lane so its retries block no other partition. A
+failure no handler raised (a write refused at the final flush, the commit) cannot be
+pinned on a partition: each runs its next run alone, where the savepoint per event finds
+it (sharing again would fail again, forever).
 """
 
 from __future__ import annotations
@@ -161,6 +164,10 @@ class PartitionProcessor:
     _mine: set[tuple[int, int]] = field(default_factory=set, init=False)
     # (offset, error) of the handler that failed in a shared transaction, to resume from.
     _failed: tuple[int, Exception] | None = field(default=None, init=False)
+    # A shared transaction failed where no handler raised (the final flush, the commit):
+    # run alone next, where a savepoint per event finds the culprit, instead of sharing
+    # (and failing) again.
+    _solo: bool = field(default=False, init=False)
 
     def __post_init__(self) -> None:
         self._dead = DeadLetterer(self.app.name, self.config, self.store, self.sink)
@@ -180,6 +187,7 @@ class PartitionProcessor:
         """
         size = 1 if self.config.transaction_per == "event" else self.config.max_batch_records
         budget = 4 * self.config.max_batch_records
+        self._solo = False
         try:
             if self._marker is UNREAD:
                 self._marker = marker = await self._read_marker()
@@ -250,6 +258,7 @@ class PartitionProcessor:
             or self.stopping.is_set()
             or isinstance(self._marker, _Unread)
             or self._failed is not None
+            or self._solo
         ):
             return None
         run = queued(-1, self.config.max_batch_records)
@@ -690,6 +699,9 @@ async def process_together(
             if stop.at is not None:
                 p, run = members[stop.at[0]]
                 p._failed = (run[stop.at[1]].offset, stop.cause)
+            else:
+                for p, _ in members:
+                    p._solo = True
             return
     except BaseException:
         for p, _ in members:
