@@ -69,7 +69,7 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 import inbox
 from bench import tracing
 from bench.common import create_topic, drop_schema, payload_300b, scratch_settings
-from bench.cpuprofile import CpuProfile
+from bench.cpuprofile import CpuProfile, Stage
 from inbox import ConsumerDaemon, Metrics
 from outbox import aio
 from outbox.daemon import kafka_environment, kafka_producer
@@ -180,6 +180,55 @@ def cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+# Where a consumer's CPU goes, old code and new alike (qualified names of either version).
+STAGES: list[Stage] = [
+    (name, frozenset(funcs.split()))
+    for name, funcs in (
+        ("the bench's own bookkeeping (not the consumer)", "_child_result _until _covered"),
+        (
+            "Kafka offset commits",
+            "ConsumerDaemon._committer ConsumerDaemon.flush_offsets "
+            "GroupCoordinator._do_commit_offsets",
+        ),
+        (
+            # StreamReaderProtocol and asyncio.wait callbacks: aiokafka's socket reads and
+            # its fetch routine (the database driver uses neither).
+            "Kafka fetch (requests, responses, records)",
+            "AIOKafkaConsumer.getmany Fetcher._fetch_requests_routine "
+            "Fetcher._proc_fetch_request AIOKafkaConnection._read AIOKafkaConnection.send "
+            "StreamReaderProtocol.data_received _wait.<locals>._on_completion "
+            "Fetcher._create_fetch_waiter.<locals>.<lambda>",
+        ),
+        ("record decoding (InboxEvent)", "decode"),
+        ("claim: BEGIN + inbox INSERT (one round trip)", "InboxStore.begin_and_claim"),
+        (
+            "attempt markers (own statements)",
+            "InboxStore.arm_markers InboxStore.set_marker InboxStore.disarm_marker "
+            "InboxStore.marker",
+        ),
+        (
+            "ORM flush + COMMIT (SQLAlchemy unit of work, two round trips)",
+            "AsyncSession.flush AsyncSession.commit AsyncSessionTransaction.__aexit__ _commit",
+        ),
+        ("handler: payload model, ORM object, session.add", "Handler.__call__"),
+        (
+            "session and connection set-up",
+            "AsyncSession.__init__ AsyncSession.connection async_sessionmaker.__call__ "
+            "AsyncSession.begin AsyncSession.close AsyncSession.__aexit__ "
+            "Connections.take Connections.give",
+        ),
+        ("per event: dispatch, metrics, tracing", "PartitionProcessor._run_handler"),
+        (
+            "scheduling (lanes, shared transaction bookkeeping)",
+            "_Lane.work _Lane.feed ConsumerDaemon._share process_together _transaction "
+            "PartitionProcessor.process",
+        ),
+        ("fetch loop", "ConsumerDaemon._loop"),
+        ("database driver wake-ups (psycopg)", "wait_async.<locals>.wakeup"),
+    )
+]
+
+
 class Profiled:
     """A CPU-time profile of one measured window (``bench/cpuprofile.py``), when
     ``--profile DIR`` asked for it: printed, and saved as folded stacks in DIR."""
@@ -192,13 +241,17 @@ class Profiled:
         if PROFILE_DIR is not None and self.profile is None:
             self.profile = CpuProfile().__enter__()
 
-    def stop(self, events: int) -> None:
+    def stop(self) -> None:
+        if self.profile is not None:
+            self.profile.__exit__(None, None, None)
+
+    def report(self, events: int, per_transaction: float) -> None:
         if self.profile is None:
             return
-        self.profile.__exit__(None, None, None)
         path = os.path.join(PROFILE_DIR or ".", f"{self.name}.collapsed")
         self.profile.save(path)
-        print(f"  profile of this part ({path}): {self.profile.report(events)}")
+        report = self.profile.report(events, stages=STAGES, per=round(per_transaction))
+        print(f"  profile of this part ({path}): {report}")
         self.profile = None
 
 
@@ -252,10 +305,12 @@ async def drain(
         await asyncio.sleep(0.005)
     elapsed = time.perf_counter() - (started or time.perf_counter())
     cpu = cpu_seconds() - cpu0
-    profiled.stop(n - first)
+    profiled.stop()
     stop.set()
     await task
-    return elapsed, n - first, cpu, events_per_transaction(settings, app.name)
+    per_txn = events_per_transaction(settings, app.name)
+    profiled.report(n - first, per_txn)
+    return elapsed, n - first, cpu, per_txn
 
 
 def paced_producer(
@@ -395,7 +450,7 @@ async def latency(
     total, sent = await _child_result(paced_producer, (settings, topic, rate, seconds), task)
     await _until(lambda: _covered(daemon.commits, sent), task)
     cpu_per_event = (cpu_seconds() - cpu0) / total * 1e6
-    profiled.stop(total)
+    profiled.stop()
     print(
         f"  ({len(sent) / len(daemon.commits):.1f} events per partition per database commit on "
         "average; a shared transaction counts once for each partition it finished)"
@@ -404,6 +459,7 @@ async def latency(
     await task
     done_at = _finished_at(daemon.commits, sent)
     per_txn = events_per_transaction(settings, app.name)
+    profiled.report(total, per_txn)
     return sorted((done_at[k] - sent[k]) * 1000 for k in sent), cpu_per_event, per_txn
 
 

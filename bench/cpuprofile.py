@@ -25,9 +25,12 @@ import os
 import resource
 import signal
 import sys
+from collections.abc import Sequence
 from types import FrameType, TracebackType
 
 Frame = tuple[str, str]  # (file, function)
+# (name, qualified function names): a sample belongs to the first stage its stack holds.
+Stage = tuple[str, frozenset[str]]
 
 # Shown by package in the summary: the first of these path parts found in a frame's file.
 AREAS = (
@@ -86,9 +89,13 @@ class CpuProfile:
                 out.write(";".join(f"{func} ({_short(file)})" for file, func in stack))
                 out.write(f" {n}\n")
 
-    def report(self, events: int, rows: int = 25) -> str:
+    def report(
+        self, events: int, rows: int = 25, stages: Sequence[Stage] = (), per: int = 0
+    ) -> str:
         """Top functions by inclusive and by own samples, and own samples by package, as
-        shares of all samples and as CPU microseconds per event."""
+        shares of all samples and as CPU microseconds per event; with ``stages``, every
+        sample also goes to the first stage whose functions its stack holds (and ``per``
+        events per transaction adds a column of microseconds per transaction)."""
         total = self.samples or 1
         inclusive: collections.Counter[Frame] = collections.Counter()
         own: collections.Counter[Frame] = collections.Counter()
@@ -110,7 +117,21 @@ class CpuProfile:
             "  own, by package: "
             + ", ".join(f"{area} {100 * n / total:.0f}%" for area, n in areas.most_common())
         )
+        if stages:
+            lines.append("  by stage:")
+            for name, n in self.by_stage(stages).most_common():
+                share, cost = 100 * n / total, n * per_event
+                txn = f" {cost * per:7.0f} us/txn" if per else ""
+                lines.append(f"    {share:5.1f}% {cost:6.1f} us/event{txn}  {name}")
         return "\n".join(lines)
+
+    def by_stage(self, stages: Sequence[Stage]) -> collections.Counter[str]:
+        counts: collections.Counter[str] = collections.Counter()
+        for stack, n in self.stacks.items():
+            names = {func for _, func in stack}
+            stage = next((name for name, funcs in stages if names & funcs), "other")
+            counts[stage] += n
+        return counts
 
 
 def _cpu() -> float:
