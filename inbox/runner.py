@@ -31,6 +31,7 @@ from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
 from aiokafka.abc import ConsumerRebalanceListener
 from aiokafka.errors import CommitFailedError, IllegalStateError, KafkaError
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
 from inbox.app import Consumer
@@ -63,8 +64,9 @@ def _transient(exc: BaseException) -> bool:
     charging the events an attempt."""
     if isinstance(exc, OutboxError):
         return exc.retriable
-    # SQLAlchemy's, or psycopg's own from the hot path's statements (inbox/store.py).
-    if isinstance(exc, OperationalError | InterfaceError):
+    # SQLAlchemy's, or psycopg's own from the hot path's statements (inbox/store.py); a
+    # pool with every connection busy for its whole timeout is a database too slow.
+    if isinstance(exc, OperationalError | InterfaceError | PoolTimeout):
         return True
     if isinstance(exc, psycopg.OperationalError | psycopg.InterfaceError):
         return True
@@ -585,20 +587,23 @@ class _Lane:
                     self.settle()
         await self._wait_idle()  # a shared transaction may still hold this partition's run
         # If this fails, the next owner takes the armed marker for a crash: slower, still safe.
-        await self._disarm()
+        # In a slot: a rebalance or a stop lets go of every partition at once.
+        async with self.daemon._slots:
+            await self._disarm()
 
     async def _rest(self) -> None:
         """The partition went quiet: disarm the marker its last commit armed ahead, so that
         a crash of this process (say, a handler of another partition killing it) does not
         make this partition look as if a batch had died in it."""
-        if self.busy or self.events:
-            return
-        self.busy = True
-        try:
-            # If this fails, the next commit, quiet spell or release tries again.
-            await self._disarm()
-        finally:
-            self.settle()
+        async with self.daemon._slots:  # partitions go quiet together: not all at once
+            if self.busy or self.events:
+                return
+            self.busy = True
+            try:
+                # If this fails, the next commit, quiet spell or release tries again.
+                await self._disarm()
+            finally:
+                self.settle()
 
     async def _disarm(self) -> None:
         try:
