@@ -1,7 +1,8 @@
-"""Inbox consumer throughput and latency.
+"""Inbox consumer throughput, latency and CPU cost.
 
     python -m bench.consumer [--events 40000] [--partitions 8] [--latency-seconds 15]
-                             [--parts throughput,latency,e2e]
+                             [--parts throughput,latency,e2e] [--linger-ms N]
+                             [--profile DIR]
 
 1. Throughput: ``--events`` CloudEvents records (~300 B JSON) are produced to a fresh topic
    first, then one consumer drains them with inbox dedupe and a handler inserting one row:
@@ -23,6 +24,21 @@
    transaction, ``Outbox.publish``), an ``outbox relay`` subprocess publishes them, and
    latency = producer commit returned -> the handler's database commit returned.
 
+Every part prints the consumer's CPU (user + system of this process, which runs the
+consumer) per event and per database transaction, and how many events a transaction
+carried on average, counted from the inbox rows themselves (distinct ``xmin``), so the
+figures mean the same for any version of the consumer code. ``--profile DIR`` samples
+where that CPU goes (``bench/cpuprofile.py``) and prints the top entries; the profiler's
+own cost is small but take figures from runs without it.
+
+Before/after: this file runs against an older checkout too. Put this ``bench`` directory,
+alone, next to nothing else and run it with the old checkout's interpreter (its
+``inbox``/``outbox`` are then the ones imported)::
+
+    mkdir -p /tmp/newbench && ln -sfn "$PWD/bench" /tmp/newbench/bench
+    (cd /tmp/newbench && /path/to/old/.venv/bin/python -m bench.consumer ...)
+
+Alternate old and new runs (noise here is ±30%); ``--linger-ms`` needs code that has it.
 Figures depend heavily on what else runs on the machine: the report prints the load.
 """
 
@@ -53,6 +69,7 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 import inbox
 from bench import tracing
 from bench.common import create_topic, drop_schema, payload_300b, scratch_settings
+from bench.cpuprofile import CpuProfile, Stage
 from inbox import ConsumerDaemon, Metrics
 from outbox import aio
 from outbox.daemon import kafka_environment, kafka_producer
@@ -60,6 +77,8 @@ from outbox.db import sync_engine
 from outbox.settings import ConsumerSettings, OutboxSettings
 
 TABLE = "bench_orders"
+# --profile DIR: where each part's CPU profile goes (None: not profiled).
+PROFILE_DIR: str | None = None
 # Latency runs send at the target rate for this long before measuring: the first events
 # after an idle period meet cold caches and a relay backed off to its longest poll interval.
 WARMUP_SECONDS = 1.0
@@ -161,10 +180,113 @@ def cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+# Where a consumer's CPU goes, old code and new alike (qualified names of either version).
+STAGES: list[Stage] = [
+    (name, frozenset(funcs.split()))
+    for name, funcs in (
+        ("the bench's own bookkeeping (not the consumer)", "_child_result _until _covered"),
+        (
+            "Kafka offset commits",
+            "ConsumerDaemon._committer ConsumerDaemon.flush_offsets "
+            "GroupCoordinator._do_commit_offsets",
+        ),
+        (
+            # StreamReaderProtocol and asyncio.wait callbacks: aiokafka's socket reads and
+            # its fetch routine (the database driver uses neither).
+            "Kafka fetch (requests, responses, records)",
+            "AIOKafkaConsumer.getmany Fetcher._fetch_requests_routine "
+            "Fetcher._proc_fetch_request AIOKafkaConnection._read AIOKafkaConnection.send "
+            "StreamReaderProtocol.data_received _wait.<locals>._on_completion "
+            "Fetcher._create_fetch_waiter.<locals>.<lambda>",
+        ),
+        ("record decoding (InboxEvent)", "decode"),
+        ("claim: BEGIN + inbox INSERT (one round trip)", "InboxStore.begin_and_claim"),
+        (
+            "attempt markers (own statements)",
+            "InboxStore.arm_markers InboxStore.set_marker InboxStore.disarm_marker "
+            "InboxStore.marker",
+        ),
+        (
+            "ORM flush + COMMIT (SQLAlchemy unit of work, two round trips)",
+            "AsyncSession.flush AsyncSession.commit AsyncSessionTransaction.__aexit__ _commit",
+        ),
+        ("handler: payload model, ORM object, session.add", "Handler.__call__"),
+        (
+            "session and connection set-up",
+            "AsyncSession.__init__ AsyncSession.connection async_sessionmaker.__call__ "
+            "AsyncSession.begin AsyncSession.close AsyncSession.__aexit__ "
+            "Connections.take Connections.give",
+        ),
+        ("per event: dispatch, metrics, tracing", "PartitionProcessor._run_handler"),
+        (
+            "scheduling (lanes, shared transaction bookkeeping)",
+            "_Lane.work _Lane.feed ConsumerDaemon._share process_together _transaction "
+            "PartitionProcessor.process",
+        ),
+        ("fetch loop", "ConsumerDaemon._loop"),
+        ("database driver wake-ups (psycopg)", "wait_async.<locals>.wakeup"),
+    )
+]
+
+
+class Profiled:
+    """A CPU-time profile of one measured window (``bench/cpuprofile.py``), when
+    ``--profile DIR`` asked for it: printed, and saved as folded stacks in DIR."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.profile: CpuProfile | None = None
+
+    def start(self) -> None:
+        if PROFILE_DIR is not None and self.profile is None:
+            self.profile = CpuProfile().__enter__()
+
+    def stop(self) -> None:
+        if self.profile is not None:
+            self.profile.__exit__(None, None, None)
+
+    def report(self, events: int, per_transaction: float) -> None:
+        if self.profile is None:
+            return
+        path = os.path.join(PROFILE_DIR or ".", f"{self.name}.collapsed")
+        self.profile.save(path)
+        report = self.profile.report(events, stages=STAGES, per=round(per_transaction))
+        print(f"  profile of this part ({path}): {report}")
+        self.profile = None
+
+
+def events_per_transaction(settings: OutboxSettings, consumer: str) -> float:
+    """Handled events per database transaction, read from the database itself (each inbox
+    row's ``xmin`` is the transaction that claimed it), so the figure means the same for
+    any version of the consumer code."""
+    inbox = f'"{settings.db_schema}"."{settings.table_prefix}inbox"'
+    engine = sync_engine(settings)
+    try:
+        with engine.connect() as conn:
+            rows, transactions = conn.execute(
+                text(
+                    f"SELECT count(*), count(DISTINCT xmin::text) FROM {inbox} WHERE consumer = :c"
+                ),
+                {"c": consumer},
+            ).one()
+    finally:
+        engine.dispose()
+    return float(rows) / max(int(transactions), 1)
+
+
+def cpu_figures(cpu_us_per_event: float, per_transaction: float) -> str:
+    return (
+        f"consumer CPU {cpu_us_per_event:.0f} us/event, "
+        f"{cpu_us_per_event * per_transaction:.0f} us/transaction "
+        f"({per_transaction:.1f} events per transaction)"
+    )
+
+
 async def drain(
     settings: OutboxSettings, topic: str, n: int, handler: str
-) -> tuple[float, int, float]:
-    """(seconds, events counted, consumer CPU seconds) from the first processed event on."""
+) -> tuple[float, int, float, float]:
+    """(seconds, events counted, consumer CPU seconds) from the first processed event on,
+    and events per transaction."""
     app = make_app(f"bench-{uuid.uuid4().hex[:6]}", topic, handler)
     metrics = Metrics(app.name)
     daemon = ConsumerDaemon(app, settings, metrics)
@@ -172,18 +294,23 @@ async def drain(
     task = asyncio.create_task(daemon.run(stop))
     started: float | None = None
     cpu0, first = 0.0, 0
+    profiled = Profiled(f"throughput-{settings.consumer.transaction_per}-{handler}")
     while metrics.counts["processed"] < n:
         if task.done():
             await task
         if started is None and metrics.counts["processed"] > 0:
             started, cpu0 = time.perf_counter(), cpu_seconds()
             first = metrics.counts["processed"]
+            profiled.start()
         await asyncio.sleep(0.005)
     elapsed = time.perf_counter() - (started or time.perf_counter())
     cpu = cpu_seconds() - cpu0
+    profiled.stop()
     stop.set()
     await task
-    return elapsed, n - first, cpu
+    per_txn = events_per_transaction(settings, app.name)
+    profiled.report(n - first, per_txn)
+    return elapsed, n - first, cpu, per_txn
 
 
 def paced_producer(
@@ -305,8 +432,9 @@ async def relay_latency(
 
 async def latency(
     settings: OutboxSettings, partitions: int, seconds: float, rate: int, handler: str
-) -> tuple[list[float], float]:
-    """Sorted latencies (ms) and the consumer's CPU microseconds per event."""
+) -> tuple[list[float], float, float]:
+    """Sorted latencies (ms), the consumer's CPU microseconds per event and events per
+    transaction."""
     topic = await create_topic(settings, partitions, prefix="bench-inbox")
     app = make_app(f"bench-lat-{uuid.uuid4().hex[:6]}", topic, handler)
     daemon = TimedDaemon(app, settings, Metrics(app.name))
@@ -316,10 +444,13 @@ async def latency(
     while not (daemon._kafka and daemon._kafka.assignment()):
         await asyncio.sleep(0.05)
     await asyncio.sleep(0.5)  # let the consumer's first fetches settle
+    profiled = Profiled(f"latency-{handler}")
     cpu0 = cpu_seconds()
+    profiled.start()
     total, sent = await _child_result(paced_producer, (settings, topic, rate, seconds), task)
     await _until(lambda: _covered(daemon.commits, sent), task)
     cpu_per_event = (cpu_seconds() - cpu0) / total * 1e6
+    profiled.stop()
     print(
         f"  ({len(sent) / len(daemon.commits):.1f} events per partition per database commit on "
         "average; a shared transaction counts once for each partition it finished)"
@@ -327,7 +458,9 @@ async def latency(
     stop.set()
     await task
     done_at = _finished_at(daemon.commits, sent)
-    return sorted((done_at[k] - sent[k]) * 1000 for k in sent), cpu_per_event
+    per_txn = events_per_transaction(settings, app.name)
+    profiled.report(total, per_txn)
+    return sorted((done_at[k] - sent[k]) * 1000 for k in sent), cpu_per_event, per_txn
 
 
 async def _until(done: Callable[[], bool], task: asyncio.Task[None]) -> None:
@@ -386,6 +519,11 @@ def _covered(
     return all(high.get(p, 0) > off for p, off in last.items())
 
 
+def _describe(config: ConsumerSettings) -> str:
+    linger = getattr(config, "linger_ms", None)  # older code has no fetch linger
+    return "fetch linger: none" if linger is None else f"fetch linger {linger} ms"
+
+
 def pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))]
 
@@ -413,24 +551,32 @@ async def main(args: argparse.Namespace) -> None:
     settings = base.model_copy(
         update={"database_url": type(base.database_url)(url.render_as_string(False))}
     )
+    # Consumer settings of every part (the code under test's defaults unless given).
+    consumer = {"linger_ms": args.linger_ms} if args.linger_ms is not None else {}
+    settings = settings.model_copy(update={"consumer": ConsumerSettings(**consumer)})
     results: dict[str, float] = {}
     try:
-        print(f"consumer bench: {args.partitions} partitions, payload ~300 B; {load()}")
+        print(
+            f"consumer bench: {args.partitions} partitions, payload ~300 B, "
+            f"{_describe(settings.consumer)}; {load()}"
+        )
         runs = [
             ("batch", "orm", args.events),
             ("batch", "execute", args.events),
             ("event", "orm", args.events_per_event_mode),
         ]
         for mode, handler, n in runs if "throughput" in args.parts else []:
-            s = settings.model_copy(update={"consumer": ConsumerSettings(transaction_per=mode)})
+            s = settings.model_copy(
+                update={"consumer": settings.consumer.model_copy(update={"transaction_per": mode})}
+            )
             topic = await create_topic(s, args.partitions, prefix="bench-inbox")
             await produce_all(s, topic, n)
-            elapsed, counted, cpu = await drain(s, topic, n, handler)
+            elapsed, counted, cpu, per_txn = await drain(s, topic, n, handler)
             results[f"{mode}/{handler}"] = counted / elapsed
             print(
                 f"throughput, one transaction per {mode:5}, handler {handler:7}: "
                 f"{counted / elapsed:9,.0f} events/s ({counted:,} events in {elapsed:.2f} s, "
-                f"consumer CPU {cpu / counted * 1e6:.0f} us/event)"
+                f"{cpu_figures(cpu / counted * 1e6, per_txn)})"
             )
         if results:
             print(
@@ -438,7 +584,7 @@ async def main(args: argparse.Namespace) -> None:
                 f"{results['batch/orm'] / results['event/orm']:.1f}x"
             )
         if "latency" in args.parts:
-            lat, cpu_us = await latency(
+            lat, cpu_us, per_txn = await latency(
                 settings, args.partitions, args.latency_seconds, args.rate, args.latency_handler
             )
             print(
@@ -446,7 +592,7 @@ async def main(args: argparse.Namespace) -> None:
                 f"{args.latency_handler} (Kafka produce -> handler DB commit, {len(lat):,} "
                 f"events, producer in its own process): p50 {pct(lat, 0.5):.1f} ms, "
                 f"p99 {pct(lat, 0.99):.1f} ms, max {lat[-1]:.1f} ms, "
-                f"mean {statistics.fmean(lat):.1f} ms; consumer CPU {cpu_us:.0f} us/event"
+                f"mean {statistics.fmean(lat):.1f} ms; {cpu_figures(cpu_us, per_txn)}"
             )
         if "e2e" in args.parts:
             e2e, part = await relay_latency(
@@ -476,9 +622,22 @@ if __name__ == "__main__":
     parser.add_argument("--rate", type=int, default=1_000)
     parser.add_argument("--latency-handler", choices=["orm", "execute"], default="orm")
     parser.add_argument(
+        "--linger-ms",
+        type=int,
+        help="OUTBOX_CONSUMER__LINGER_MS for every part (default: the settings' default)",
+    )
+    parser.add_argument(
         "--parts",
         type=lambda v: set(v.split(",")),
         default={"throughput", "latency", "e2e"},
         help="comma-separated subset of throughput,latency,e2e (default: all)",
     )
-    aio.run(main(parser.parse_args()))
+    parser.add_argument(
+        "--profile",
+        metavar="DIR",
+        help="write a CPU-time profile of each measured window to DIR/<part>.prof and print "
+        "its top entries (the profiler slows the consumer: take figures from runs without it)",
+    )
+    args = parser.parse_args()
+    PROFILE_DIR = args.profile
+    aio.run(main(args))

@@ -18,6 +18,8 @@ COUNTERS = {
     "topic (kept in the database; a marker without the value sent instead).",
     "skipped": "Unknown or malformed events skipped by policy.",
     "stale": "Events older than their key's applied sequence, skipped by the guard.",
+    "transactions": "Handler transactions committed; processed / transactions is the "
+    "events per transaction (see OUTBOX_CONSUMER__LINGER_MS).",
 }
 
 
@@ -83,6 +85,9 @@ class Metrics:
         self._inc("dead_letters_refused", 1)
         self._refused_by_topic[topic] += 1
         return self._refused_by_topic[topic]
+
+    def transactions(self, n: int = 1) -> None:
+        self._inc("transactions", n)
 
     def handler_seconds(self, seconds: float) -> None:
         self._handler_seconds.observe(seconds)

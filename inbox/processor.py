@@ -33,9 +33,10 @@ Keeping that marker costs almost nothing on the hot path:
   run as well: such a record runs max_attempts - 1 times instead of max_attempts. A
   record whose own run killed the process is counted exactly (max_attempts runs).
 
-Fast path: one transaction per run: all inbox rows claimed in one statement (which also
-opens the transaction, BEGIN riding in its round trip), handlers run one after another,
-one commit. If anything raises, the transaction is rolled back and the
+Fast path: one transaction per run, on a connection kept open between transactions: all
+inbox rows claimed in one statement (which also opens the transaction, BEGIN riding in its
+round trip), handlers run one after another in a session bound to that connection, one
+commit (:func:`_transaction`). If anything raises, the transaction is rolled back and the
 run is repeated with a SAVEPOINT per event, so a failing event does not undo its
 neighbours; the failing event is then dead-lettered (permanent error) or, for a retryable
 one, the events before it are committed and it is retried *alone* ("careful" mode) with a
@@ -55,27 +56,33 @@ commit. A crash inside it leaves each partition's marker armed, exactly as concu
 per-partition runs would. If it fails, it is rolled back and every partition
 runs alone again (its marker is still armed for it, so that costs no marker write); the
 partition whose handler raised resumes from that failure as after a failed run of its own
-(first attempt counted), in its own lane so its retries block no other partition.
+(first attempt counted), in its own lane so its retries block no other partition. A
+failure no handler raised (a write refused at the final flush, the commit) cannot be
+pinned on a partition: each runs its next run alone, where the savepoint per event finds
+it (sharing again would fail again, forever).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import logging
 import time
-from collections.abc import Awaitable, Callable, Collection, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass, field, replace
 
-from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
+from psycopg.pq import TransactionStatus
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from inbox import failures, tracing
 from inbox.app import Consumer, Handler
+from inbox.connections import Connections, Held
 from inbox.dead_lettering import DeadLetterer, DeadLetterSink
 from inbox.event import InboxEvent
 from inbox.failures import Failure
 from inbox.metrics import Metrics
-from inbox.store import InboxStore, Marker, MarkerWrite
+from inbox.store import Arm, Driver, InboxStore, Marker
 from outbox.resilience.retry import RetryPolicy
 from outbox.settings import ConsumerSettings
 
@@ -109,13 +116,14 @@ UNREAD = _Unread.UNREAD
 class _Stop(Exception):
     """The fast transaction failed and was rolled back (internal control flow).
 
-    ``index`` is the event whose handler raised, or None when the failure cannot be
-    pinned on one event (e.g. the final flush of the handlers' writes).
+    ``at`` is the member (its position in the transaction's members) and the event in its
+    run whose handler raised, or None when the failure cannot be pinned on one event (the
+    claim, or the final flush of the handlers' writes, or the commit).
     """
 
-    def __init__(self, index: int | None, cause: Exception) -> None:
-        super().__init__(index)
-        self.index = index
+    def __init__(self, at: tuple[int, int] | None, cause: Exception) -> None:
+        super().__init__(at)
+        self.at = at
         self.cause = cause
 
 
@@ -130,11 +138,12 @@ class PartitionProcessor:
     app: Consumer
     config: ConsumerSettings
     store: InboxStore
+    # The careful paths' sessions (savepoints, retries alone, dead letters).
     sessions: async_sessionmaker[AsyncSession]
-    # The same database in autocommit mode: one statement = one durable commit, one round
-    # trip (the marker writes that must commit before handlers run). The fast runs' and
-    # shared transactions are opened here by their claim (InboxStore.begin_and_claim).
-    autocommit: AsyncEngine
+    # Connections kept open in autocommit mode: one statement = one durable commit, one
+    # round trip (the marker writes that must commit before handlers run). The fast runs'
+    # and shared transactions are opened on them by their claim (see _transaction).
+    connections: Connections
     sink: DeadLetterSink
     policy: RetryPolicy
     metrics: Metrics
@@ -155,6 +164,10 @@ class PartitionProcessor:
     _mine: set[tuple[int, int]] = field(default_factory=set, init=False)
     # (offset, error) of the handler that failed in a shared transaction, to resume from.
     _failed: tuple[int, Exception] | None = field(default=None, init=False)
+    # A shared transaction failed where no handler raised (the final flush, the commit):
+    # run alone next, where a savepoint per event finds the culprit, instead of sharing
+    # (and failing) again.
+    _solo: bool = field(default=False, init=False)
 
     def __post_init__(self) -> None:
         self._dead = DeadLetterer(self.app.name, self.config, self.store, self.sink, self.metrics)
@@ -176,6 +189,7 @@ class PartitionProcessor:
         """
         size = 1 if self.config.transaction_per == "event" else self.config.max_batch_records
         budget = 4 * self.config.max_batch_records
+        self._solo = False
         try:
             if self._marker is UNREAD:
                 self._marker = marker = await self._read_marker()
@@ -222,10 +236,10 @@ class PartitionProcessor:
         if not self._mine:
             return
         try:
-            async with self.autocommit.connect() as conn:
+            async with self._connection() as raw:
                 for span in self._mine:  # one, or two when an error hid which one is durable
                     await self.store.disarm_marker(
-                        conn, self.consumer, self.topic, self.partition, span
+                        raw, self.consumer, self.topic, self.partition, span
                     )
             self._finished()
         except BaseException:
@@ -246,6 +260,7 @@ class PartitionProcessor:
             or self.stopping.is_set()
             or isinstance(self._marker, _Unread)
             or self._failed is not None
+            or self._solo
         ):
             return None
         run = queued(-1, self.config.max_batch_records)
@@ -311,17 +326,26 @@ class PartitionProcessor:
 
     # ------------------------------------------------------------ the marker
 
+    @contextlib.asynccontextmanager
+    async def _connection(self) -> AsyncIterator[Driver]:
+        """A held connection for autocommit statements (each commits on its own)."""
+        held = await self.connections.take()
+        try:
+            yield held.raw
+        finally:
+            await self.connections.give(held)
+
     async def _read_marker(self) -> Marker | None:
-        async with self.autocommit.connect() as conn:
-            return await self.store.marker(conn, self.consumer, self.topic, self.partition)
+        async with self._connection() as raw:
+            return await self.store.marker(raw, self.consumer, self.topic, self.partition)
 
     async def _mark(self, marker: Marker, *, ready: bool = False) -> None:
         """Commit ``marker`` on its own, before the handlers it guards run. ``ready``: it
         is armed for a fast-path run (else it counts a careful attempt)."""
         if ready:
             self._mine.add(_span_of(marker))
-        async with self.autocommit.connect() as conn:
-            await self.store.set_marker(conn, self.consumer, self.topic, self.partition, marker)
+        async with self._connection() as raw:
+            await self.store.set_marker(raw, self.consumer, self.topic, self.partition, marker)
         if ready:
             self._committed(marker)
         else:
@@ -387,8 +411,8 @@ class PartitionProcessor:
             try:
                 return await self._fast(chunk, at_commit)
             except _Stop as stop:
-                if stop.index is not None:
-                    return await self._failed_at(chunk, stop.index, stop.cause)
+                if stop.at is not None:
+                    return await self._failed_at(chunk, stop.at[1], stop.cause)
         return await self._savepointed(chunk, at_commit)
 
     async def _failed_at(
@@ -426,11 +450,17 @@ class PartitionProcessor:
         return self.config.max_attempts
 
     async def _run_handler(
-        self, event: InboxEvent, session: AsyncSession, attempt: int = 1
+        self,
+        event: InboxEvent,
+        session: AsyncSession,
+        attempt: int = 1,
+        raw: Driver | None = None,
     ) -> None:
+        """Run the event's handler in ``session``'s transaction (``raw``: the psycopg
+        connection under it, when the caller has it at hand)."""
         handler = self._handler(event)
         assert handler is not None
-        if handler.stale is not None and await self._stale(event, session):
+        if handler.stale is not None and await self._stale(event, raw or session):
             return
         started = time.perf_counter()
         try:
@@ -439,13 +469,13 @@ class PartitionProcessor:
         finally:
             self.metrics.handler_seconds(time.perf_counter() - started)
 
-    async def _stale(self, event: InboxEvent, session: AsyncSession) -> bool:
+    async def _stale(self, event: InboxEvent, db: AsyncSession | Driver) -> bool:
         """True when the event's sequence is not above the one applied for its key (the
         guard's check and advance are one statement in the handler's transaction)."""
         sequence = event.sequence  # InvalidSequence: permanent, dead-lettered
         if sequence is None or event.key is None:
             return False
-        if await self.store.advance_sequence(session, self.consumer, event.key, sequence):
+        if await self.store.advance_sequence(db, self.consumer, event.key, sequence):
             return False
         self.metrics.stale()
         log.debug("stale event skipped", extra={"event_id": event.event_id, "sequence": sequence})
@@ -453,41 +483,26 @@ class PartitionProcessor:
 
     async def _fast(self, chunk: Sequence[InboxEvent], at_commit: AtCommit) -> int:
         """One transaction, no savepoints. Raises _Stop if anything failed (rolled back)."""
-        # The same event twice in one fetch: only the first copy is claimed.
-        unique: dict[str, InboxEvent] = {}
-        for event in chunk:
-            unique.setdefault(event.event_id, event)
-        index: int | None = None
-        marker = None
-        if not isinstance(at_commit, _Keep):
-            marker = MarkerWrite(self.topic, self.partition, at_commit)
-        try:
-            # On the autocommit pool: the claim opens the transaction (BEGIN rides with it).
-            async with self.sessions(bind=self.autocommit) as session, session.begin():
-                # The marker change rides on the claim statement: same transaction, so it
-                # commits with the run or not at all, without a round trip of its own.
-                fresh = await self.store.begin_and_claim(
-                    await session.connection(),
-                    self.consumer,
-                    list(unique.values()),
-                    marker=marker,
-                )
-                for i, event in enumerate(chunk):
-                    if event.event_id in fresh and unique[event.event_id] is event:
-                        index = i
-                        await self._run_handler(event, session)
-                index = None
-                await session.flush()  # handler writes fail here, not inside commit
-        except Exception as exc:
-            log.debug("batch transaction failed", extra={"error": type(exc).__name__})
-            raise _Stop(index, exc) from exc
+        arm = [] if isinstance(at_commit, _Keep) else [self._arm(at_commit)]
+        fresh, unique = await _transaction(self.connections, [(self, chunk)], arm)
         self._committed(at_commit)
-        self.metrics.processed(len(fresh))
-        self.metrics.duplicates(len(chunk) - len(fresh))
-        if len(fresh) < len(chunk):
-            _trace_duplicates(chunk, fresh, unique, self.consumer)
+        self._count_claimed(chunk, fresh, unique)
         await self._progress(chunk[-1])
         return len(chunk)
+
+    def _arm(self, marker: Marker) -> Arm:
+        """``marker`` (armed: one attempt, no error) for a claim's ``arm``."""
+        assert marker.attempts == 1 and marker.last_error is None
+        return self.topic, self.partition, marker.start_offset, marker.end_offset
+
+    def _count_claimed(
+        self, run: Sequence[InboxEvent], fresh: Collection[str], unique: dict[str, InboxEvent]
+    ) -> None:
+        new = sum(1 for e in run if e.event_id in fresh and unique[e.event_id] is e)
+        self.metrics.processed(new)
+        self.metrics.duplicates(len(run) - new)
+        if new < len(run):
+            _trace_duplicates(run, fresh, unique, self.consumer)
 
     async def _savepointed(
         self, chunk: Sequence[InboxEvent], at_commit: AtCommit
@@ -533,6 +548,8 @@ class PartitionProcessor:
         return len(chunk)
 
     def _count(self, processed: int, duplicates: int, dead: int, skipped: int) -> None:
+        """The outcome of one committed careful-path transaction."""
+        self.metrics.transactions()
         self.metrics.processed(processed)
         self.metrics.duplicates(duplicates)
         self.metrics.dead_lettered(dead)
@@ -663,61 +680,102 @@ async def process_together(
     transaction (see the module docstring). Whatever is not finished when this returns is
     left to each partition's own :meth:`PartitionProcessor.process`."""
     lead = members[0][0]
-    store, consumer = lead.store, lead.consumer
     try:
         # Most members' markers are armed ahead by their previous commit already.
         unarmed = [(p, run) for p, run in members if not _covers(p._ready, run)]
         for p, run in unarmed:
             p._mine.add(_span(run))
         if unarmed:
-            async with lead.autocommit.connect() as conn:
-                await store.arm_markers(
-                    conn,
-                    consumer,
-                    [(p.topic, p.partition, run[0].offset, run[-1].offset) for p, run in unarmed],
-                )
+            runs = [(p.topic, p.partition, run[0].offset, run[-1].offset) for p, run in unarmed]
+            async with lead._connection() as raw:
+                await lead.store.arm_markers(raw, lead.consumer, runs)
             for p, run in unarmed:
                 p._committed(Marker(run[0].offset, run[-1].offset, 1, None))
         ahead = [_ahead(run) for _, run in members]
-        arm = []
-        for (p, _), m in zip(members, ahead, strict=True):
-            p._mine.add(_span_of(m))
-            arm.append((p.topic, p.partition, m.start_offset, m.end_offset))
-        # The same event in two partitions: only the first copy is claimed.
-        unique: dict[str, InboxEvent] = {}
-        for _, run in members:
-            for event in run:
-                unique.setdefault(event.event_id, event)
-        at: tuple[PartitionProcessor, int] | None = None
+        for (p, _), marker in zip(members, ahead, strict=True):
+            p._mine.add(_span_of(marker))
+        arm = [p._arm(marker) for (p, _), marker in zip(members, ahead, strict=True)]
         try:
-            async with lead.sessions(bind=lead.autocommit) as session, session.begin():
-                fresh = await store.begin_and_claim(
-                    await session.connection(),
-                    consumer,
-                    list(unique.values()),
-                    arm=arm,
-                )
-                for p, run in members:
-                    for event in run:
-                        if event.event_id in fresh and unique[event.event_id] is event:
-                            at = (p, event.offset)
-                            await p._run_handler(event, session)
-                at = None
-                await session.flush()  # handler writes fail here, not inside commit
-        except Exception as exc:
-            log.debug("shared transaction failed", extra={"error": type(exc).__name__})
-            if at is not None:
-                at[0]._failed = (at[1], exc)
+            fresh, unique = await _transaction(lead.connections, members, arm)
+        except _Stop as stop:
+            if stop.at is not None:
+                p, run = members[stop.at[0]]
+                p._failed = (run[stop.at[1]].offset, stop.cause)
+            else:
+                for p, _ in members:
+                    p._solo = True
             return
     except BaseException:
         for p, _ in members:
             p._forget()
         raise
     for (p, run), marker in zip(members, ahead, strict=True):
-        new = sum(1 for e in run if e.event_id in fresh and unique[e.event_id] is e)
         p._committed(marker)
-        p.metrics.processed(new)
-        p.metrics.duplicates(len(run) - new)
-        if new < len(run):
-            _trace_duplicates(run, fresh, unique, consumer)
+        p._count_claimed(run, fresh, unique)
         await p._progress(run[-1])
+
+
+async def _transaction(
+    connections: Connections,
+    members: Sequence[tuple[PartitionProcessor, Sequence[InboxEvent]]],
+    arm: Sequence[Arm],
+) -> tuple[set[str], dict[str, InboxEvent]]:
+    """One transaction for the members' runs: claim every event (arming ``arm`` in the same
+    statement), run the handlers of the new ones, each member's in offset order, commit.
+
+    Returns the new event ids and the copy of each id that was claimed (the same event
+    twice, in one fetch or in two partitions: only the first copy runs). Anything failing
+    rolls the transaction back and raises :class:`_Stop`.
+    """
+    lead = members[0][0]
+    unique: dict[str, InboxEvent] = {}
+    for _, run in members:
+        for event in run:
+            unique.setdefault(event.event_id, event)
+    held = await connections.take()
+    session: AsyncSession | None = None
+    at: tuple[int, int] | None = None
+    try:
+        try:
+            fresh = await lead.store.begin_and_claim(
+                held.raw, lead.consumer, list(unique.values()), arm=arm
+            )
+            session = AsyncSession(bind=held.sa, expire_on_commit=False)
+            for m, (p, run) in enumerate(members):
+                for i, event in enumerate(run):
+                    if event.event_id in fresh and unique[event.event_id] is event:
+                        at = (m, i)
+                        await p._run_handler(event, session, raw=held.raw)
+            at = None
+            await _commit(held, session)
+        except Exception as exc:
+            log.debug("transaction failed", extra={"error": type(exc).__name__})
+            await _rollback(held, session)
+            raise _Stop(at, exc) from exc
+    finally:
+        await connections.give(held)
+    lead.metrics.transactions()
+    return fresh, unique
+
+
+async def _commit(held: Held, session: AsyncSession) -> None:
+    """Flush the handlers' writes (their errors surface here) and commit.
+
+    When the handlers used the session, SQLAlchemy began its own transaction on the
+    connection (no BEGIN is sent in autocommit mode: it joined the server's, opened by the
+    claim), and its commit sends COMMIT. Otherwise nothing of SQLAlchemy's is open, its
+    commit does nothing, and the COMMIT goes straight to the driver.
+    """
+    await session.commit()
+    if held.raw.info.transaction_status != TransactionStatus.IDLE:
+        await held.raw.commit()
+
+
+async def _rollback(held: Held, session: AsyncSession | None) -> None:
+    """Roll back after a failure; a connection this leaves unclean is closed when given
+    back (see inbox/connections.py)."""
+    with contextlib.suppress(Exception):
+        if session is not None and held.sa.in_transaction():
+            await session.rollback()
+        if not held.raw.broken and held.raw.info.transaction_status != TransactionStatus.IDLE:
+            await held.raw.rollback()

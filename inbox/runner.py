@@ -1,10 +1,13 @@
 """The consumer daemon: fetch, hand each partition's batch to its processor, commit offsets.
 
-Each assigned partition gets a lane: a task handling its fetched records in offset order,
-one batch at a time. Lanes run concurrently (up to ``max_concurrent_partitions``); a lane
-far behind pauses its partition's fetching. A lane with only a short run ready takes the
-short runs of idle lanes along into one shared transaction (see ``inbox/processor.py``):
-at low rates the per-transaction cost is then paid once for many partitions. Offsets are
+Each assigned partition gets a lane: its fetched records, handled in offset order. Short
+runs (all a partition has, up to a transaction's worth) go to the *sharer*, one task that
+handles every lane's short run in one shared transaction (see ``inbox/processor.py``): at
+low rates the per-transaction cost is paid once for the records of many partitions, and
+no partition's task is even woken. What cannot share (a backlog longer than a
+transaction, a failure to resume from, a marker to read first) runs in the lane's own
+task; lanes run concurrently (up to ``max_concurrent_partitions``), and a lane far behind
+pauses its partition's fetching. Offsets are
 committed only after the database commit that finished them, never by auto-commit, by a
 committer task that coalesces them so handlers never wait for a Kafka round trip. On
 revocation a revoked partition's in-flight run finishes (a retry backing off is abandoned
@@ -29,15 +32,19 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import psycopg
 from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
 from aiokafka.abc import ConsumerRebalanceListener
 from aiokafka.errors import CommitFailedError, IllegalStateError, KafkaError
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
 from inbox.app import Consumer, Decoder
+from inbox.connections import Connections
 from inbox.event import InboxEvent
 from inbox.kafka import KafkaSink, dlq_producer, ensure_topics, start_dlq_producer
+from inbox.linger import FetchLinger
 from inbox.metrics import Metrics
 from inbox.processor import PartitionProcessor, process_together
 from inbox.store import InboxStore
@@ -65,7 +72,11 @@ def _transient(exc: BaseException) -> bool:
     charging the events an attempt."""
     if isinstance(exc, OutboxError):
         return exc.retriable
-    if isinstance(exc, OperationalError | InterfaceError):
+    # SQLAlchemy's, or psycopg's own from the hot path's statements (inbox/store.py); a
+    # pool with every connection busy for its whole timeout is a database too slow.
+    if isinstance(exc, OperationalError | InterfaceError | PoolTimeout):
+        return True
+    if isinstance(exc, psycopg.OperationalError | psycopg.InterfaceError):
         return True
     if isinstance(exc, DBAPIError):
         return bool(exc.connection_invalidated)
@@ -91,6 +102,10 @@ class ConsumerDaemon:
     _engine: AsyncEngine | None = field(default=None, init=False)
     _kafka: AIOKafkaConsumer | None = field(default=None, init=False)
     _lanes: dict[TopicPartition, _Lane] = field(default_factory=dict, init=False)
+    # Lanes with records for the sharer to look at, in the order they came (a process with
+    # many quiet partitions does not pay for each of them).
+    _offered: dict[TopicPartition, _Lane] = field(default_factory=dict, init=False)
+    _offers: asyncio.Event = field(default_factory=asyncio.Event, init=False)
     _pending_offsets: dict[TopicPartition, int] = field(default_factory=dict, init=False)
     _offsets_ready: asyncio.Event = field(default_factory=asyncio.Event, init=False)
     _failure: BaseException | None = field(default=None, init=False)
@@ -101,6 +116,7 @@ class ConsumerDaemon:
     _committed: dict[TopicPartition, int] = field(default_factory=dict, init=False)
     # End offsets of paused partitions, asked for by the Kafka check (see module docstring).
     _end_offsets: dict[TopicPartition, int] = field(default_factory=dict, init=False)
+    _sharer: asyncio.Task[None] | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         self.settings = self.settings.for_consumer()  # its own URL, when one is set
@@ -111,9 +127,6 @@ class ConsumerDaemon:
             self.settings.retry.base_seconds, self.settings.retry.cap_seconds, config.max_attempts
         )
         self._slots = asyncio.Semaphore(config.max_concurrent_partitions)
-        # One shared transaction at a time: lanes with short runs wait to be taken along by
-        # the next one instead of each running its own transaction meanwhile.
-        self._shared = asyncio.Lock()
         self._store = InboxStore(build_tables(self.settings))
         # Shared by every partition: one log line per outage, not one per partition and try.
         self.database = Dependency("database", log)
@@ -141,20 +154,22 @@ class ConsumerDaemon:
         kafka = kafka_consumer(
             settings, group_id=self.app.name, enable_auto_commit=False, **options
         )
-        # Two pools. Runs and shared transactions start on the autocommit one, where the
-        # claim opens the transaction itself (BEGIN rides in its round trip) and attempt
-        # markers commit alone; the paths that begin with other statements (savepoints,
-        # retries alone, dead letters) use the ordinary one. Separate pools, because
-        # switching a pooled connection's mode costs CPU on every checkout.
+        # Two pools. Runs and shared transactions start on connections of the autocommit
+        # one, kept open between transactions (inbox/connections.py), where the claim opens
+        # the transaction itself (BEGIN rides in its round trip) and attempt markers commit
+        # alone; the paths that begin with other statements (savepoints, retries alone,
+        # dead letters) use the ordinary one. Separate pools, because switching a pooled
+        # connection's mode costs CPU on every checkout.
         #
-        # No pre-ping: it costs a round trip per transaction. A connection that died in the
-        # pool fails the run's first statement instead; that is an infrastructure error
-        # (the run is retried, no attempt charged) and the pool then replaces it.
+        # No pre-ping: it costs a round trip per transaction. A connection that died fails
+        # the run's first statement instead; that is an infrastructure error (the run is
+        # retried, no attempt charged) and the connection is replaced.
         pool = {"pool_size": config.max_concurrent_partitions + 2, "max_overflow": 4}
         self._engine = async_engine(self.settings, pool_pre_ping=False, **pool)
         self._autocommit = async_engine(
             self.settings, pool_pre_ping=False, isolation_level="AUTOCOMMIT", **pool
         )
+        self._connections = Connections(self._autocommit)
         sessions = async_sessionmaker(self._engine, expire_on_commit=False)
         producer = dlq_producer(settings)
         # The sink replaces a producer a refused dead letter left unusable (and stops it).
@@ -170,14 +185,17 @@ class ConsumerDaemon:
                 "consumer started",
                 extra={"consumer": self.app.name, "topics": list(self.app.topics)},
             )
-            await self._loop(stop, sessions, sink)
+            await self._loop(stop, sessions, sink, self._linger(kafka))
         finally:
             self._running = False
             if self._watcher is not None:
                 self._watcher.cancel()
             await self.release(list(self._lanes))
+            if self._sharer is not None:
+                self._sharer.cancel()
             await kafka.stop()  # leaves the group so partitions move on at once
             await sink.stop()
+            await self._connections.close()
             await self._engine.dispose()
             await self._autocommit.dispose()
             log.info("consumer stopped", extra={"consumer": self.app.name, **self._counts()})
@@ -304,31 +322,53 @@ class ConsumerDaemon:
                     continue  # no longer assigned, or being reset
             self.metrics.lag(tp.topic, tp.partition, max(high - committed, 0))
 
+    def _linger(self, kafka: AIOKafkaConsumer) -> FetchLinger:
+        """The fetch linger (inbox/linger.py), unless the app tunes fetching itself."""
+        tuned = {"fetch_min_bytes", "fetch_max_wait_ms"} & set(self.app.kafka_options)
+        linger = 0 if tuned else self.settings.consumer.linger_ms
+        return FetchLinger(kafka._fetcher, linger)
+
     async def _loop(
-        self, stop: asyncio.Event, sessions: async_sessionmaker[AsyncSession], sink: KafkaSink
+        self,
+        stop: asyncio.Event,
+        sessions: async_sessionmaker[AsyncSession],
+        sink: KafkaSink,
+        linger: FetchLinger,
     ) -> None:
         assert self._kafka is not None
         config = self.settings.consumer
         committer = asyncio.create_task(self._committer())
         committer.add_done_callback(self._watch_committer)
+        # Cancelled only after the lanes are released (run()), so that a shared
+        # transaction in flight finishes.
+        self._sharer = asyncio.create_task(self._share())
+        self._sharer.add_done_callback(self._watch)
         next_status = time.monotonic() + STATUS_EVERY_SECONDS
         next_lag = time.monotonic()
+        rest = config.disarm_idle_seconds
+        next_sweep = time.monotonic() + rest / 2
         try:
             while not stop.is_set() and self._failure is None:
                 batches = await self._kafka.getmany(
                     timeout_ms=config.fetch_timeout_ms, max_records=config.max_batch_records * 4
                 )
+                linger.fetched(bool(batches))
                 if batches:
                     self.kafka.ok()  # records arrived: Kafka is back (if it was gone)
                 for tp, records in batches.items():
                     if records:
                         self._committed.setdefault(tp, records[0].offset)  # where we started
                         self._lane(tp, sessions, sink).feed(records)
-                if time.monotonic() >= next_lag:
-                    next_lag = time.monotonic() + LAG_EVERY_SECONDS
+                now = time.monotonic()
+                if now >= next_lag:
+                    next_lag = now + LAG_EVERY_SECONDS
                     await self._update_lag()
-                if time.monotonic() >= next_status:
-                    next_status = time.monotonic() + STATUS_EVERY_SECONDS
+                if rest and now >= next_sweep:
+                    next_sweep = now + rest / 2
+                    for lane in self._lanes.values():
+                        lane.sweep(now, rest)
+                if now >= next_status:
+                    next_status = now + STATUS_EVERY_SECONDS
                     log.info("consumer status", extra={"consumer": self.app.name, **self._counts()})
         finally:
             committer.cancel()
@@ -347,7 +387,7 @@ class ConsumerDaemon:
                 config=self.settings.consumer,
                 store=self._store,
                 sessions=sessions,
-                autocommit=self._autocommit,
+                connections=self._connections,
                 sink=sink,
                 policy=self._policy,
                 metrics=self.metrics,
@@ -368,6 +408,62 @@ class ConsumerDaemon:
 
     def _watch_committer(self, task: asyncio.Task[None]) -> None:
         self._watch(task)
+
+    # ------------------------------------------------------------------ the sharer
+
+    def _offer(self, lane: _Lane) -> None:
+        """``lane`` has records: the sharer takes them along in its next shared transaction
+        or hands them to the lane's own task."""
+        self._offered[lane.tp] = lane
+        self._offers.set()
+
+    async def _share(self) -> None:
+        """Shared transactions, one at a time, for the short runs of the lanes offered since
+        the last one (at a trickle: a fetch's records, whatever their partitions)."""
+        while True:
+            await self._offers.wait()
+            self._offers.clear()
+            # The slot first: lanes taken are busy, and their own tasks may wait for them
+            # while holding slots.
+            async with self._slots:
+                await self._share_once()
+
+    async def _share_once(self) -> None:
+        limit = self.settings.consumer.max_batch_records
+        members: list[tuple[PartitionProcessor, Sequence[InboxEvent]]] = []
+        taken: list[_Lane] = []
+        size = 0
+        for tp, lane in list(self._offered.items()):
+            if lane.busy or not lane.events:
+                del self._offered[tp]  # whoever holds it offers what it leaves
+                continue
+            run = lane.processor.ready_run(lane.queued)
+            if run is not None and size + len(run) > limit:
+                self._offers.set()  # the next transaction takes it
+                continue
+            del self._offered[tp]
+            if run is None:
+                lane.wake.set()  # it cannot share: its own task runs it
+                continue
+            lane.busy = True
+            taken.append(lane)
+            members.append((lane.processor, run))
+            size += len(run)
+        if not members:
+            return
+        try:
+            await process_together(members)
+            # Any success says the database is back (see _Lane.work).
+            self.database.ok()
+        except Exception as exc:
+            if not _transient(exc):
+                raise
+            self.dependency_of(exc).failed(_cause(exc))
+            for lane in taken:
+                lane.wake.set()  # each retries on its own, with backoff
+        finally:
+            for lane in taken:
+                lane.settle()
 
     # ------------------------------------------------------------------ offsets
 
@@ -444,6 +540,9 @@ class ConsumerDaemon:
         """
         lanes = [lane for tp in tps if (lane := self._lanes.pop(tp, None)) is not None]
         for lane in lanes:
+            if self._offered.get(lane.tp) is lane:
+                del self._offered[lane.tp]  # not taken along by a shared transaction any more
+        for lane in lanes:
             lane.processor.stopping.set()
             lane.wake.set()
         await asyncio.gather(*(lane.task for lane in lanes if lane.task), return_exceptions=True)
@@ -459,13 +558,16 @@ class ConsumerDaemon:
 
 @dataclass
 class _Lane:
-    """One assigned partition: its fetched records and the task handling them in order."""
+    """One assigned partition: its fetched records, handled in offset order by the sharer
+    (short runs) or by the lane's own task (see the module docstring)."""
 
     daemon: ConsumerDaemon
     tp: TopicPartition
     processor: PartitionProcessor
     decode: Decoder  # the topic's envelope (inbox/envelopes), resolved once
     events: list[InboxEvent] = field(default_factory=list)  # fetched, not finished
+    # Set when the lane's own task has work: a run the sharer cannot take, a retry, a
+    # quiet spell to end, or a stop.
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     task: asyncio.Task[None] | None = None
     # Set while this lane's records are handled, by its own task or a shared transaction
@@ -475,6 +577,10 @@ class _Lane:
     position: int = -1
     paused: bool = False
     fetched_bytes: int = 0  # payload bytes of `events`
+    # When records last came or were finished (the quiet spell's clock), and whether one
+    # has just ended (see sweep()).
+    active_at: float = field(default_factory=time.monotonic)
+    resting: bool = False
 
     def feed(self, records: list[ConsumerRecord[bytes, bytes]]) -> None:
         # ENVELOPE HOOK: where records become InboxEvents (inbox/envelopes; the default,
@@ -482,7 +588,9 @@ class _Lane:
         fresh = list(map(self.decode, records))
         self.events.extend(fresh)
         self.fetched_bytes += _payload_bytes(fresh)
-        self.wake.set()
+        self.active_at = time.monotonic()
+        if not self.busy:  # else whoever holds it offers what it leaves (settle())
+            self.daemon._offer(self)
         # Backpressure: stop fetching this partition while it is far behind, in records
         # or in bytes (large records).
         config = self.daemon.settings.consumer
@@ -503,21 +611,40 @@ class _Lane:
         self.daemon._progress_at = time.monotonic()
         self.daemon._offset_done(self.tp, offset)
 
+    def settle(self) -> None:
+        """Whoever held the lane let go: drop what is finished, and offer the rest (a
+        stop, an error or more records) to the sharer, unless the own task takes it."""
+        self.busy = False
+        self.idle.set()
+        self._trim()
+        self.active_at = time.monotonic()
+        if self.events and not self.wake.is_set():
+            self.daemon._offer(self)
+
+    def sweep(self, now: float, rest: float) -> None:
+        """Called now and then by the fetch loop: end a quiet spell of ``rest`` seconds by
+        disarming the attempt marker the last commit armed ahead (in the lane's task)."""
+        if (
+            not self.busy
+            and not self.events
+            and now - self.active_at >= rest
+            and self.processor.armed_ahead
+        ):
+            self.resting = True
+            self.wake.set()
+
     async def work(self) -> None:
         stopping = self.processor.stopping
         failures = 0
         down: Dependency | None = None
-        rest = self.daemon.settings.consumer.disarm_idle_seconds
         while not stopping.is_set():
+            await self.wake.wait()
+            self.wake.clear()
+            if self.resting:
+                self.resting = False
+                await self._rest()  # records that came meanwhile are offered to the sharer
+                continue
             if not self.events:
-                self.wake.clear()
-                if rest and self.processor.armed_ahead:
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self.wake.wait(), rest)
-                    if not self.wake.is_set():
-                        await self._rest()
-                else:
-                    await self.wake.wait()
                 continue
             async with self.daemon._slots:
                 await self._wait_idle()
@@ -527,8 +654,7 @@ class _Lane:
                     continue  # a shared transaction finished them
                 self.busy = True
                 try:
-                    if not await self._together():
-                        await self.processor.process(self.queued)
+                    await self.processor.process(self.queued)
                     # Any lane's success says the database is back (the lane that saw it
                     # go may have lost its partition meanwhile).
                     self.daemon.database.ok()
@@ -542,28 +668,30 @@ class _Lane:
                     delay = self.daemon._policy.backoff(min(failures, 10))
                     down = self.daemon.dependency_of(exc)
                     down.failed(_cause(exc))
+                    self.wake.set()  # try again on its own after the backoff
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(stopping.wait(), delay)
                 finally:
-                    self.busy = False
-            self._trim()
+                    self.settle()
         await self._wait_idle()  # a shared transaction may still hold this partition's run
         # If this fails, the next owner takes the armed marker for a crash: slower, still safe.
-        await self._disarm()
+        # In a slot: a rebalance or a stop lets go of every partition at once.
+        async with self.daemon._slots:
+            await self._disarm()
 
     async def _rest(self) -> None:
         """The partition went quiet: disarm the marker its last commit armed ahead, so that
         a crash of this process (say, a handler of another partition killing it) does not
         make this partition look as if a batch had died in it."""
-        if self.busy or self.events:
-            return
-        self.busy = True
-        try:
-            # If this fails, the next commit, quiet spell or release tries again.
-            await self._disarm()
-        finally:
-            self.busy = False
-            self.idle.set()
+        async with self.daemon._slots:  # partitions go quiet together: not all at once
+            if self.busy or self.events:
+                return
+            self.busy = True
+            try:
+                # If this fails, the next commit, quiet spell or release tries again.
+                await self._disarm()
+            finally:
+                self.settle()
 
     async def _disarm(self) -> None:
         try:
@@ -597,62 +725,12 @@ class _Lane:
                 assert self.daemon._kafka is not None
                 self.daemon._kafka.resume(self.tp)
 
-    async def _together(self) -> bool:
-        """Handle this lane's short run in one transaction with those of idle lanes;
-        False if there is no such company (then the lane runs alone)."""
-        if self.processor.ready_run(self.queued) is None:
-            return False
-        shared = self.daemon._shared
-        # While waiting, the lane is free to be taken along by the running shared transaction's
-        # successor; whoever takes it finishes before releasing ``shared``.
-        self.busy = False
-        try:
-            await shared.acquire()
-        finally:
-            await self._wait_idle()
-            self.busy = True
-        try:
-            if not self.events:
-                return True  # taken along and finished meanwhile
-            return await self._lead()
-        finally:
-            shared.release()
-
-    async def _lead(self) -> bool:
-        mine = self.processor.ready_run(self.queued)
-        if mine is None:
-            return False
-        limit = self.daemon.settings.consumer.max_batch_records
-        members = [(self.processor, mine)]
-        taken: list[_Lane] = []
-        size = len(mine)
-        for lane in list(self.daemon._lanes.values()):
-            if lane is self or lane.busy or not lane.events:
-                continue
-            run = lane.processor.ready_run(lane.queued)
-            if run is None or size + len(run) > limit:
-                continue
-            lane.busy = True
-            taken.append(lane)
-            members.append((lane.processor, run))
-            size += len(run)
-        if not taken:
-            return False
-        try:
-            await process_together(members)
-        finally:
-            for lane in taken:
-                lane._trim()
-                lane.busy = False
-                lane.idle.set()
-        return True
-
 
 def _cause(exc: BaseException) -> str:
     """The error's class and, for framework errors, its message (they never hold secrets)."""
     if isinstance(exc, OutboxError):
         return f"{type(exc).__name__}: {exc}"
-    if isinstance(exc, DBAPIError):
+    if isinstance(exc, DBAPIError | psycopg.Error):
         return str(unavailable(exc))
     return type(exc).__name__
 

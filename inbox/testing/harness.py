@@ -18,6 +18,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 from sqlalchemy.pool import NullPool
 
 from inbox.app import Consumer
+from inbox.connections import Connections
 from inbox.envelopes.base import EVENT_ID_HEADER
 from inbox.event import InboxEvent, header_text
 from inbox.metrics import Metrics
@@ -121,6 +122,7 @@ class InboxHarness:
         self._store = InboxStore(build_tables(settings))
         self._engine: AsyncEngine | None = None
         self._autocommit: AsyncEngine | None = None
+        self._connections: Connections | None = None
         self._processors: dict[str, PartitionProcessor] = {}
         # Offsets grow across harnesses too (a time base): the durable attempt marker of an
         # earlier test run must never look like a run of this one.
@@ -136,6 +138,9 @@ class InboxHarness:
         for processor in self._processors.values():
             await processor.release()
         self._processors.clear()
+        if self._connections is not None:
+            await self._connections.close()
+            self._connections = None
         for engine in (self._engine, self._autocommit):
             if engine is not None:
                 await engine.dispose()
@@ -237,9 +242,12 @@ class InboxHarness:
             pending[:] = [e for e in pending if e.offset >= next_offset]
 
         processor.on_progress = progressed
-        while pending:
-            await processor.process(queued)
-        await processor.release()
+        try:
+            while pending:
+                await processor.process(queued)
+            await processor.release()
+        finally:
+            await self._hot().close()  # nothing stays connected between deliveries
         counts = {k: v - before[k] for k, v in self.metrics.counts.items()}
         dead = self.dead_letters[letters] if len(self.dead_letters) > letters else None
         return Delivery(event, _outcome(counts), _runs(counts, dead), dead)
@@ -267,6 +275,11 @@ class InboxHarness:
             )
         return self._engine, self._autocommit
 
+    def _hot(self) -> Connections:
+        if self._connections is None:
+            self._connections = Connections(self._engines()[1])
+        return self._connections
+
     def _processor(self, topic: str) -> PartitionProcessor:
         processor = self._processors.get(topic)
         if processor is None:
@@ -276,7 +289,7 @@ class InboxHarness:
                 config=config,
                 store=self._store,
                 sessions=async_sessionmaker(self._engines()[0], expire_on_commit=False),
-                autocommit=self._engines()[1],
+                connections=self._hot(),
                 sink=self._sink,
                 # No waiting between attempts: the count and the classification are real.
                 policy=RetryPolicy(0.001, 0.001, config.max_attempts, rng=lambda a, b: 0.0),

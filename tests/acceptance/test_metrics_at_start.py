@@ -170,7 +170,7 @@ def test_consumer_exports_every_referenced_metric_from_start(
         later=frozenset({"outbox_inbox_lag_records"}),
     )
     assert assigned[lag] == 0  # its partition assigned and fetched: an empty topic, no lag
-    assert len(counters) == 7
+    assert len(counters) == 8
     assert all(k.endswith(f"{{consumer={consumer}}}") for k in counters)
     # The CLI's own messages are JSON records too, their figures as fields.
     started = [line for line in lines if str(line["msg"]).startswith(f"consumer {consumer} on")]

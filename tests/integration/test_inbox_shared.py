@@ -11,8 +11,9 @@ from typing import Any
 import pytest
 from aiokafka import AIOKafkaProducer
 from pydantic import BaseModel
-from sqlalchemy import Engine, text
+from sqlalchemy import BigInteger, Engine, text
 from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 import inbox
 import inbox.runner
@@ -26,6 +27,7 @@ from tests.support.inbox import (
     ce_headers,
     effect_counts,
     effects_table,
+    fast_settings,
     wait_for,
 )
 
@@ -192,3 +194,74 @@ async def test_a_slow_stream_writes_no_attempt_marker_of_its_own_after_the_first
             {"c": app.name},
         ).scalar_one()
     assert armed == 0
+
+
+async def test_a_write_failing_at_the_shared_flush_is_found_by_running_alone(
+    settings: OutboxSettings,
+    engine: Engine,
+    new_topic: NewTopic,
+    kafka_bootstrap: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A failure that no handler raised (an ORM write failing at the transaction's final
+    flush) cannot be pinned on one event: every partition of the shared transaction runs
+    alone again, where the savepoint per event finds it."""
+    topic = await new_topic(partitions=PARTITIONS)
+    table = effects_table(engine)
+    with engine.begin() as conn:  # seq 5 is refused by the database, at flush time only
+        conn.execute(text(f"ALTER TABLE {table} ADD CONSTRAINT no_five CHECK (seq <> 5)"))
+
+    class Base(DeclarativeBase):
+        pass
+
+    class Effect(Base):
+        __tablename__ = table
+        id: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+        event_id: Mapped[str]
+        key: Mapped[str]
+        seq: Mapped[int]
+
+    app = inbox.Consumer(name=f"c-{uuid.uuid4().hex[:10]}", topics=[topic])
+
+    @app.handler("test.event", max_attempts=2)
+    async def handle(thing: Thing, session: AsyncSession) -> None:
+        session.add(Effect(event_id=str(thing.seq), key=thing.key, seq=thing.seq))
+
+    shared: list[int] = []  # members per shared transaction
+    together = inbox.runner.process_together
+
+    async def spy(members: Sequence[tuple[PartitionProcessor, Sequence[InboxEvent]]]) -> None:
+        shared.append(len(members))
+        await together(members)
+
+    monkeypatch.setattr(inbox.runner, "process_together", spy)
+    async with RunningConsumer(app, fast_settings(settings, max_attempts=2)) as c:
+        await wait_for(c.assigned, what="assignment")
+        producer = AIOKafkaProducer(bootstrap_servers=kafka_bootstrap, linger_ms=20)
+        await producer.start()
+        try:
+            for wave in range(2):  # one per partition, sent together; seq 5 in the second
+                sent = []
+                for p in range(PARTITIONS):
+                    seq = wave * PARTITIONS + p
+                    body = json.dumps({"key": f"p{p}", "seq": seq}).encode()
+                    headers = ce_headers(str(uuid.uuid4()))
+                    sent.append(await producer.send(topic, body, partition=p, headers=headers))
+                await asyncio.gather(*sent)
+                await wait_for(
+                    lambda wave=wave: c.metrics.counts["processed"] >= PARTITIONS * (wave + 1) - 1,
+                    timeout=30,
+                    what="the wave",
+                )
+        finally:
+            await producer.stop()
+        await wait_for(
+            lambda: (
+                c.metrics.counts["processed"] + c.metrics.counts["dead_lettered"] >= 2 * PARTITIONS
+            ),
+            timeout=30,
+            what="every event handled or dead-lettered",
+        )
+    assert effect_counts(engine, table) == {str(s): 1 for s in range(2 * PARTITIONS) if s != 5}
+    assert c.metrics.counts["dead_lettered"] == 1
+    assert any(n >= 2 for n in shared)  # the failing write was in a shared transaction

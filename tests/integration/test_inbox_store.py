@@ -5,6 +5,7 @@ from __future__ import annotations
 import uuid
 
 import pytest
+from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from inbox.event import InboxEvent
@@ -66,3 +67,31 @@ async def test_begin_and_claim_opens_a_transaction_that_the_callers_rollback_or_
         # ``a`` is a duplicate now: only ``c`` is new.
         assert await store.begin_and_claim(conn, consumer, [a, c]) == {c.event_id}
     assert await status(c) == "processed"
+
+
+async def test_the_claim_keeps_every_field_of_odd_ids_and_types(
+    settings: OutboxSettings, aengine: AsyncEngine
+) -> None:
+    """The claim sends its rows as one JSON document: quotes, backslashes, non-ASCII text
+    and a missing type arrive unchanged."""
+    store = InboxStore(build_tables(settings))
+    consumer = f"c-{uuid.uuid4().hex[:8]}"
+    odd = [
+        InboxEvent('q"uote\\back', "t.é", "orders", 3, 2**40, None, b"{}", ()),
+        InboxEvent("ünï-😀", None, "other-topic", 0, 0, None, b"{}", ()),
+        InboxEvent("x" * 255, "x.y", "orders", 2**31 - 1, 7, None, b"{}", ()),
+    ]
+    auto = aengine.execution_options(isolation_level="AUTOCOMMIT")
+    async with auto.connect() as conn:
+        assert await store.claim(conn, consumer, odd) == {e.event_id for e in odd}
+        assert await store.claim(conn, consumer, odd) == set()  # duplicates now
+        inbox = f"{settings.db_schema}.{settings.table_prefix}inbox"
+        rows = await conn.execute(
+            text(
+                f'SELECT event_id, event_type, topic, partition, "offset" FROM {inbox} '
+                "WHERE consumer = :c"
+            ),
+            {"c": consumer},
+        )
+        got = {tuple(r) for r in rows}
+    assert got == {(e.event_id, e.event_type, e.topic, e.partition, e.offset) for e in odd}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import psycopg.errors
 import pytest
 from pydantic import BaseModel, ValidationError
@@ -9,6 +11,7 @@ from sqlalchemy.exc import IntegrityError, OperationalError
 
 import inbox
 from inbox.envelopes.cloudevents import decode
+from inbox.event import InboxEvent
 from inbox.failures import classify, crashed
 from outbox.errors import InvalidIdentifier
 from tests.support.records import Rec
@@ -34,6 +37,47 @@ def test_records_without_usable_id_or_type_are_malformed_with_a_position_id(
     e = decode(Rec(headers=headers))
     assert e.malformed is not None
     assert e.event_id == "t:2:7"
+
+
+def test_decode_sets_every_field_and_keeps_the_header_pairs() -> None:
+    headers = (("ce_id", b"abc"), ("ce_type", b"x.y"), ("k", b"v"))
+    e = decode(Rec(headers=headers))
+    # decode fills the frozen dataclass's fields at once: none may be left to a default.
+    assert set(vars(e)) == {f.name for f in dataclasses.fields(InboxEvent)}
+    assert e == InboxEvent("abc", "x.y", "t", 2, 7, b"k", b"{}", headers, None, 1_700_000_000_000)
+    assert e.headers == headers and isinstance(e.headers, tuple)
+
+
+def test_decode_makes_odd_header_values_bytes_and_the_last_id_wins() -> None:
+    raw = [["ce_id", b"first"], ("ce_type", bytearray(b"x")), ("n", None), ("ce_id", b"last")]
+    e = decode(Rec(headers=raw))  # type: ignore[arg-type]
+    assert (e.event_id, e.event_type, e.malformed) == ("last", "x", None)
+    assert e.headers == (("ce_id", b"first"), ("ce_type", b"x"), ("n", b""), ("ce_id", b"last"))
+    # An empty (or null) last ce_id makes the record malformed, like a missing one.
+    assert decode(Rec(headers=(("ce_id", b"a"), ("ce_id", None), ("ce_type", b"x")))).malformed  # type: ignore[arg-type]
+
+
+def test_fetch_linger_holds_fetches_only_while_records_flow() -> None:
+    from types import SimpleNamespace
+
+    from inbox.linger import LINGER_MIN_BYTES, FetchLinger
+
+    fetcher = SimpleNamespace(_fetch_min_bytes=1, _fetch_max_wait_ms=500)
+    linger = FetchLinger(fetcher, 5)
+    linger.fetched(False)
+    assert (fetcher._fetch_min_bytes, fetcher._fetch_max_wait_ms) == (1, 500)
+    linger.fetched(True)
+    assert (fetcher._fetch_min_bytes, fetcher._fetch_max_wait_ms) == (LINGER_MIN_BYTES, 5)
+    linger.fetched(True)
+    linger.fetched(False)  # a quiet spell: the next record is fetched at once
+    assert (fetcher._fetch_min_bytes, fetcher._fetch_max_wait_ms) == (1, 500)
+    # Off: never touches the fetcher; an aiokafka without these attributes turns it off.
+    off = SimpleNamespace(_fetch_min_bytes=1, _fetch_max_wait_ms=500)
+    FetchLinger(off, 0).fetched(True)
+    assert (off._fetch_min_bytes, off._fetch_max_wait_ms) == (1, 500)
+    renamed = FetchLinger(SimpleNamespace(), 5)
+    renamed.fetched(True)
+    assert renamed.linger_ms == 0
 
 
 def test_validation_errors_are_permanent_and_never_echo_input() -> None:
