@@ -18,7 +18,7 @@ with it at >= 80% of the rate without.
 ``--kafka-security FILE`` only compares one relay draining the backlog over the plaintext
 settings of the environment and over the Kafka settings in FILE (a dotenv file with
 OUTBOX_KAFKA_BOOTSTRAP_SERVERS and OUTBOX_KAFKA__*, e.g. the SASL_SSL listener of
-``scripts/services``: see the README's benchmark section).
+``scripts/services``: see docs/benchmarks.md).
 
 Needs the services of ``scripts/services up`` (or OUTBOX_DATABASE_URL and
 OUTBOX_KAFKA_BOOTSTRAP_SERVERS). Works in a fresh database that it drops at the end.

@@ -1,6 +1,6 @@
 """The configuration reference, generated from OutboxSettings so no document can drift.
 
-Two renderings of the same walk over the settings model: the compact table of the README and
+Two renderings of the same walk over the settings model: the compact table of
 ``outbox config reference`` (:func:`markdown_table`), and the documentation site's page, one
 section per settings group with types and allowed ranges (:func:`reference_markdown`).
 """
@@ -125,20 +125,3 @@ def reference_markdown() -> str:
             parts.append(f"| `{s.env}` | {kind} | {default} | {s.description} |")
         parts.append("")
     return "\n".join(parts)
-
-
-START, END = "<!-- settings-table:start -->", "<!-- settings-table:end -->"
-
-
-def with_table(readme: str) -> str:
-    """``readme`` with the generated table between the settings-table markers."""
-    head, _, rest = readme.partition(START)
-    _, _, tail = rest.partition(END)
-    return f"{head}{START}\n{markdown_table()}\n{END}{tail}"
-
-
-if __name__ == "__main__":  # python -m outbox.settings_doc README.md
-    import sys
-
-    path = Path(sys.argv[1])
-    path.write_text(with_table(path.read_text()))

@@ -14,7 +14,7 @@ most once per key, and its outcome is replayed to every later caller with the ke
 States of a key's record: ``pending`` (claimed and committed before the call, with a
 lease), ``done`` (result stored, replayed), ``failed`` (permanent failure stored, replayed),
 ``unknown`` (an attempt may have been applied and nothing could tell: parked for an
-operator). The README section "Side effects beyond the database" has the diagram in words.
+operator). docs/concepts/ambiguous-outcomes.md draws the states.
 
 Locking — why exactly one caller calls
 --------------------------------------
