@@ -104,7 +104,9 @@ class DeadLetterer:
         # The record as received (a structured CloudEvent whole, not only its data).
         value = event.record_value
         try:
-            at = await self.sink.send(dlq_topic, event.key, value, [*event.headers, *dlq])
+            # A replayed record carries the id header already: once is enough.
+            kept = [h for h in event.headers if h[0] != EVENT_ID_HEADER]
+            at = await self.sink.send(dlq_topic, event.key, value, [*kept, *dlq])
         except RecordTooLargeForTopic as exc:
             refused = exc
             at = await self._send_marker(event, exc, dlq)

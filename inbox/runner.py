@@ -18,7 +18,8 @@ Lag (``outbox_inbox_lag_records``): per assigned partition, the high watermark m
 offset this member committed (or started from), refreshed once a second from what the
 fetches already brought back (aiokafka keeps each partition's last high watermark). A
 partition paused for backpressure is not fetched, so its end offset is asked for with the
-periodic Kafka check instead: one request every few seconds, never one per event.
+periodic Kafka check instead: at most one request a second, in a task of its own (a hung
+broker cannot hold up the check), never one per event.
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ STATUS_EVERY_SECONDS = 10.0
 STALLED_AFTER_SECONDS = 120.0
 KAFKA_CHECK_SECONDS = 1.0
 LAG_EVERY_SECONDS = 1.0
+END_OFFSETS_TIMEOUT_SECONDS = 5.0
 
 
 def _transient(exc: BaseException) -> bool:
@@ -91,6 +93,7 @@ class _Listener(ConsumerRebalanceListener):  # type: ignore[misc]
         await self._daemon.release(revoked)
 
     async def on_partitions_assigned(self, assigned: Sequence[TopicPartition]) -> None:
+        self._daemon._assigned.update(assigned)
         log.info("partitions assigned", extra={"partitions": sorted(str(tp) for tp in assigned)})
 
 
@@ -114,6 +117,10 @@ class ConsumerDaemon:
     _watcher: asyncio.Task[None] | None = field(default=None, init=False)
     # Per partition: the offset this member last committed, or started from (for lag).
     _committed: dict[TopicPartition, int] = field(default_factory=dict, init=False)
+    # What the last rebalance gave this member, until revoked. Lag is exported for these
+    # only: aiokafka keeps reporting revoked partitions in assignment() until the next
+    # assignment arrives, and a series made for one then would never be removed.
+    _assigned: set[TopicPartition] = field(default_factory=set, init=False)
     # End offsets of paused partitions, asked for by the Kafka check (see module docstring).
     _end_offsets: dict[TopicPartition, int] = field(default_factory=dict, init=False)
     _sharer: asyncio.Task[None] | None = field(default=None, init=False)
@@ -190,14 +197,17 @@ class ConsumerDaemon:
             self._running = False
             if self._watcher is not None:
                 self._watcher.cancel()
-            await self.release(list(self._lanes))
-            if self._sharer is not None:
-                self._sharer.cancel()
-            await kafka.stop()  # leaves the group so partitions move on at once
-            await sink.stop()
-            await self._connections.close()
-            await self._engine.dispose()
-            await self._autocommit.dispose()
+            # Each step runs even when one before it failed (an exit stack runs them last
+            # registered first): a stopping consumer leaks no producer, connection or pool.
+            async with contextlib.AsyncExitStack() as closing:
+                closing.push_async_callback(self._autocommit.dispose)
+                closing.push_async_callback(self._engine.dispose)
+                closing.push_async_callback(self._connections.close)
+                closing.push_async_callback(sink.stop)
+                closing.push_async_callback(kafka.stop)  # leaves the group: partitions move
+                if self._sharer is not None:
+                    closing.callback(self._sharer.cancel)
+                closing.push_async_callback(self.release, list(self._lanes))
             log.info("consumer stopped", extra={"consumer": self.app.name, **self._counts()})
         if self._failure is not None:
             raise self._failure
@@ -283,13 +293,21 @@ class ConsumerDaemon:
         partitions Kafka moves away from it are fetched from their new leaders at once."""
         # aiokafka exposes no public "is the cluster reachable?"
         watch = MetadataWatch(kafka._client, self.app.topics, KAFKA_CHECK_SECONDS)
-        while True:
-            await asyncio.sleep(KAFKA_CHECK_SECONDS)
-            if await watch.refresh():
-                self.kafka.ok()
-                await self._paused_end_offsets(kafka)
-            else:
-                self.kafka.failed("metadata request failed")
+        ends: asyncio.Task[None] | None = None
+        try:
+            while True:
+                await asyncio.sleep(KAFKA_CHECK_SECONDS)
+                if await watch.refresh():
+                    self.kafka.ok()
+                    # At its own pace: a ListOffsets stuck on a hung broker must not hold up
+                    # the metadata refresh that moves fetches away from it.
+                    if ends is None or ends.done():
+                        ends = asyncio.create_task(self._paused_end_offsets(kafka))
+                else:
+                    self.kafka.failed("metadata request failed")
+        finally:
+            if ends is not None:
+                ends.cancel()
 
     async def _paused_end_offsets(self, kafka: AIOKafkaConsumer) -> None:
         """Paused partitions are not fetched, so their high watermark would stand still."""
@@ -297,14 +315,14 @@ class ConsumerDaemon:
         if not paused:
             return
         with contextlib.suppress(KafkaError, OSError, TimeoutError):
-            ends = await asyncio.wait_for(kafka.end_offsets(paused), KAFKA_CHECK_SECONDS)
+            ends = await asyncio.wait_for(kafka.end_offsets(paused), END_OFFSETS_TIMEOUT_SECONDS)
             self._end_offsets.update((tp, end) for tp, end in ends.items() if tp in self._lanes)
 
     async def _update_lag(self) -> None:
         """Export each assigned partition's lag: high watermark - committed offset."""
         assert self._kafka is not None and self.metrics is not None
         kafka = self._kafka
-        for tp in kafka.assignment():
+        for tp in self._assigned & kafka.assignment():
             high = kafka.highwater(tp)
             asked = self._end_offsets.get(tp)
             if asked is not None:
@@ -549,6 +567,7 @@ class ConsumerDaemon:
         await self.flush_offsets(only=[lane.tp for lane in lanes])
         assert self.metrics is not None
         for tp in tps:  # the next owner reports these partitions' lag
+            self._assigned.discard(tp)
             self._committed.pop(tp, None)
             self._end_offsets.pop(tp, None)
             self.metrics.forget_lag(tp.topic, tp.partition)

@@ -12,7 +12,7 @@ acknowledged and go back to the outbox.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Iterable
 from typing import Any
 
 
@@ -21,6 +21,7 @@ class ByteBudget:
         self.limit = limit
         self.used = 0
         self._freed = asyncio.Event()
+        self._held: dict[asyncio.Future[Any], int] = {}
 
     async def acquire(self, size: int, within: float) -> int | None:
         """Take ``size`` bytes (at most the whole budget: a claim of one row larger than
@@ -42,19 +43,22 @@ class ByteBudget:
         self.used -= size
         self._freed.set()
 
-    def release_when_done(self, futures: Sequence[asyncio.Future[Any]], size: int) -> None:
-        """Give ``size`` back once every future is done (acked, failed or cancelled)."""
-        pending = [f for f in futures if not f.done()]
-        if not pending:
+    def hold(self, future: asyncio.Future[Any], size: int) -> None:
+        """Keep ``size`` taken bytes until ``future`` is done (acked, failed or cancelled),
+        or until :meth:`let_go` gives them back earlier."""
+        if future.done():
             self.release(size)
             return
-        left = len(pending)
+        self._held[future] = self._held.get(future, 0) + size
+        future.add_done_callback(self._done)
 
-        def one_done(_: asyncio.Future[Any]) -> None:
-            nonlocal left
-            left -= 1
-            if left == 0:
-                self.release(size)
+    def let_go(self, futures: Iterable[asyncio.Future[Any]]) -> None:
+        """Give back now what ``futures`` hold: deliveries of a retired producer, whose rows
+        are back in the outbox (their late answer no longer concerns the budget)."""
+        for future in futures:
+            self._done(future)
 
-        for future in pending:
-            future.add_done_callback(one_done)
+    def _done(self, future: asyncio.Future[Any]) -> None:
+        size = self._held.pop(future, 0)
+        if size:
+            self.release(size)

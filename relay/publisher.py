@@ -261,7 +261,11 @@ class Publisher:
         for i, current in enumerate(self._producers):
             if current is producer:
                 self._producers[i] = None
-        self.health.forget([d for d, p in self._stuck.items() if p is producer])
+        retired = [d for d, p in self._stuck.items() if p is producer]
+        self.health.forget(retired)
+        # Their rows are back in the outbox and will be sent again: their bytes must not
+        # count twice while the old producer flushes.
+        self._inflight.let_go(retired)
         self._stuck = {d: p for d, p in self._stuck.items() if p is not producer}
         # Its queued batches may still be acknowledged (copies of rows that are back in the
         # outbox: duplicates, never reordered); let it flush in the background.
@@ -420,8 +424,15 @@ class Publisher:
                 outcome.failed.setdefault(i, failure)
             return outcome
         deliveries = {tp: asyncio.ensure_future(self._deliver(tp, b)) for tp, b in plan.items()}
-        # The bytes stay taken while Kafka holds the batches, stalled partitions' included.
-        budget.release_when_done(list(deliveries.values()), taken)
+        # Each partition's bytes stay taken while Kafka holds its batches, a stalled one's
+        # included; what the plan left out (rows refused or held back) comes back now, so a
+        # sick partition holds only its own share and never the healthy ones'.
+        left = taken
+        for tp, delivery in deliveries.items():
+            share = min(left, sum(payload_bytes(rows[i]) for _, idx in plan[tp] for i in idx))
+            budget.hold(delivery, share)
+            left -= share
+        budget.release(left)
         await self._wait(deliveries.values())
         for tp, delivery in deliveries.items():
             if not delivery.done():
@@ -429,6 +440,7 @@ class Publisher:
                 unavailable = self.health.stalled(tp, delivery, self._leader(tp))
                 if producer is None:  # replaced meanwhile: no answer will come
                     self.health.forget([delivery])
+                    budget.let_go([delivery])
                 else:
                     self._stuck[delivery] = producer
                 for _, idx in plan[tp]:

@@ -129,6 +129,20 @@ class KafkaCluster:
                     await asyncio.sleep(0.5)
         return None
 
+    async def coordinators(self) -> set[int]:
+        """The brokers leading a partition of the offsets topic (group coordinators). Kafka
+        creates that topic on the first coordinator lookup: on a fresh cluster, ask once
+        and wait for it."""
+        async with self.admin() as admin:
+            for _ in range(60):
+                try:
+                    await admin.find_coordinator(f"c-{uuid.uuid4().hex[:8]}")
+                    break
+                except Exception:  # the offsets topic being created: ask again
+                    await asyncio.sleep(0.5)
+        await self.wait_in_sync(["__consumer_offsets"])
+        return {p.leader for p in (await self.describe("__consumer_offsets")).values()}
+
     async def coordinator(self, group: str) -> int:
         async with self.admin() as admin:
             return int(await admin.find_coordinator(group))

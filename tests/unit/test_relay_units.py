@@ -83,7 +83,7 @@ async def test_the_in_flight_budget_waits_for_kafka_to_answer_earlier_batches() 
     assert first == 70
     loop = asyncio.get_running_loop()
     ack: asyncio.Future[None] = loop.create_future()
-    budget.release_when_done([ack], 70)  # an outstanding batch keeps its bytes
+    budget.hold(ack, 70)  # an outstanding batch keeps its bytes
     assert await budget.acquire(50, within=0.05) is None  # no room: reported, not queued
     waiting = asyncio.create_task(budget.acquire(50, within=5))
     await asyncio.sleep(0.01)
@@ -94,6 +94,26 @@ async def test_the_in_flight_budget_waits_for_kafka_to_answer_earlier_batches() 
     # One claim larger than the whole budget still goes, alone.
     budget.release(50)
     assert await budget.acquire(1_000, within=0.05) == 100
+
+
+async def test_a_stalled_delivery_holds_only_its_share_and_a_retired_one_lets_go() -> None:
+    budget = ByteBudget(100)
+    assert await budget.acquire(90, within=1) == 90
+    loop = asyncio.get_running_loop()
+    healthy: asyncio.Future[None] = loop.create_future()
+    stalled: asyncio.Future[None] = loop.create_future()  # never answered
+    budget.hold(healthy, 30)
+    budget.hold(stalled, 40)
+    budget.release(20)  # rows the plan refused
+    assert budget.used == 70
+    healthy.set_result(None)
+    await asyncio.sleep(0)  # done callbacks run on the loop
+    assert budget.used == 40  # the healthy partition's bytes are back
+    budget.let_go([stalled])  # its producer was replaced: its rows go again
+    assert budget.used == 0
+    stalled.cancel()
+    await asyncio.sleep(0)
+    assert budget.used == 0  # given back once, not twice
 
 
 def _row(i: int, size: int) -> tuple[object, ...]:
