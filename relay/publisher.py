@@ -92,6 +92,8 @@ _SPEC = b"1.0"
 LEADER_PROBE_SECONDS = 0.5
 _ACK_SMOOTHING = 0.1
 LEADER_PROBE_TIMEOUT_MS = 1500
+# A broker that acknowledged within this long is known to answer (a hung one stops at once).
+ANSWERED_SECONDS = 3.0
 _KEY_CACHE_LIMIT = 100_000
 
 
@@ -159,6 +161,7 @@ class Publisher:
         self._closing: set[asyncio.Task[None]] = set()  # replaced producers, flushing
         self._watcher: asyncio.Task[None] | None = None  # leaders of stalled partitions
         self._live: set[int] = set()  # brokers Kafka listed last (not fenced)
+        self._answered: dict[int, float] = {}  # broker -> loop time of its last ack
         self._lock = asyncio.Lock()
         self._missing: set[str] = set()  # topics known to be missing (logged once each)
         self._inflight = ByteBudget(settings.relay.max_inflight_bytes)
@@ -167,21 +170,31 @@ class Publisher:
 
     # -- lifecycle ----------------------------------------------------------------------------
     def _bootstrap(self) -> str:
-        """Where a new client should connect first: the brokers a running producer knows,
-        the leaders of stalled partitions last, then the configured list. aiokafka tries
-        them in order, and a hung broker holds a start for a whole request timeout."""
-        sick = self._sick()
-        known: list[tuple[bool, str]] = []
-        running = self._running()
-        if running is not None:
-            known = [
-                (b.nodeId in sick, f"{b.host}:{b.port}") for b in running.client.cluster.brokers()
-            ]
+        """Where a new client should connect first: the brokers a running producer knows
+        to answer now (acknowledged lately, not leading a stalled partition), if any; else
+        every broker it knows and the configured list. aiokafka tries the list in a random
+        order, and a hung broker in it holds one start in four for a whole request timeout
+        (measured: the hung-broker test's partitions waited for the broker's return)."""
         configured = [a.strip() for a in self._settings.kafka_bootstrap_servers.split(",")]
-        return ",".join(dict.fromkeys([a for _, a in sorted(known)] + configured))
+        running = self._running()
+        if running is None:
+            return ",".join(configured)
+        sick, answering = self._sick(), self._answering()
+        brokers = running.client.cluster.brokers()
+        good = [f"{b.host}:{b.port}" for b in brokers if b.nodeId in answering - sick]
+        if good:
+            return ",".join(good)
+        return ",".join(dict.fromkeys([f"{b.host}:{b.port}" for b in brokers] + configured))
 
     def _running(self) -> AIOKafkaProducer | None:
         return next((p for p in self._producers if p is not None), None)
+
+    def _answering(self) -> set[int]:
+        """Brokers that acknowledged a batch within the last ``ANSWERED_SECONDS``: known to
+        answer now. After a failover the hung broker's stalls are forgotten (its partitions
+        have new leaders), so "sick" no longer names it; "answering" still leaves it out."""
+        now = asyncio.get_running_loop().time()
+        return {b for b, at in self._answered.items() if now - at < ANSWERED_SECONDS}
 
     def _sick(self) -> set[int]:
         """Brokers to keep away from: leaders of stalled partitions, and brokers missing
@@ -195,9 +208,12 @@ class Publisher:
     def _pick_node(self, client: Any) -> int | None:
         """aiokafka asks a broker chosen at random for a new producer's id: one that hangs
         holds the start for a whole request timeout. Prefer the others."""
-        nodes = [b.nodeId for b in client.cluster.brokers()]
-        healthy = [n for n in nodes if n not in self._sick()]
-        return random.choice(healthy or nodes) if nodes else None
+        nodes: list[int] = [b.nodeId for b in client.cluster.brokers()]
+        if not nodes:
+            return None
+        sick, answering = self._sick(), self._answering()
+        healthy = [n for n in nodes if n not in sick]
+        return random.choice([n for n in healthy if n in answering] or healthy or nodes)
 
     def _new_producer(self) -> AIOKafkaProducer:
         r = self._settings.relay
@@ -450,6 +466,8 @@ class Publisher:
             for (_, idx), error in zip(plan[tp], results, strict=True):
                 if error is None:
                     outcome.acked.extend(idx)
+                    if (leader := self._leader(tp)) is not None:
+                        self._answered[leader] = loop.time()
                     continue
                 failure = classify(error)
                 outcome.failed.update(dict.fromkeys(idx, failure))
@@ -479,6 +497,9 @@ class Publisher:
             bootstrap_servers=self._bootstrap(),
             request_timeout_ms=LEADER_PROBE_TIMEOUT_MS,
         )
+        # Its metadata requests go to a broker chosen at random, as a producer's id does:
+        # the same preference for brokers that answer.
+        admin._client.get_random_node = functools.partial(self._pick_node, admin._client)
         seen: dict[tuple[str, int], tuple[int, ...]] = {}  # in-sync replicas first seen
         acted: dict[tuple[str, int], float] = {}  # when Kafka was first seen to have acted
         try:

@@ -7,9 +7,11 @@ import logging
 
 import pytest
 
+from outbox.settings import OutboxSettings
 from relay.errors import PartitionUnavailable
 from relay.metrics import RelayMetrics
 from relay.partitions import MAX_DELAY, MIN_DELAY, PartitionHealth
+from relay.publisher import Publisher
 
 TP = ("orders", 3)
 OTHER = ("orders", 4)
@@ -106,3 +108,38 @@ async def test_one_line_per_change_and_none_for_a_blip(
     health.report(parts)
     assert "available again after 3.0 s" in caplog.records[-1].getMessage()
     assert len(caplog.records) == 3 and gauge(health) == 0
+
+
+class _Broker:
+    def __init__(self, node: int) -> None:
+        self.nodeId, self.host, self.port = node, "10.0.0.1", 9090 + node
+
+
+class _Running:
+    """What the publisher reads of a running producer: its view of the brokers."""
+
+    def __init__(self, nodes: list[int]) -> None:
+        brokers = [_Broker(n) for n in nodes]
+        self.client = type("C", (), {"cluster": type("K", (), {"brokers": lambda _: brokers})()})()
+
+
+async def test_new_clients_bootstrap_from_brokers_that_answer_and_pick_them() -> None:
+    # aiokafka shuffles a bootstrap list, and a hung broker holds a start for a request
+    # timeout: once some brokers are known to answer, only they are given.
+    settings = OutboxSettings(kafka_bootstrap_servers="a:1,b:2")
+    publisher = Publisher(settings)
+    assert publisher._bootstrap() == "a:1,b:2"  # nothing running yet: the configured list
+    running = _Running([1, 2, 3])
+    publisher._producers[0] = running  # type: ignore[assignment]
+    now = asyncio.get_running_loop().time()
+    publisher._answered = {1: now - 60, 2: now, 3: now}  # broker 1 went quiet long ago
+    assert publisher._bootstrap() == "10.0.0.1:9092,10.0.0.1:9093"
+    assert {publisher._pick_node(running.client) for _ in range(50)} == {2, 3}
+    publisher._answered = {}  # nobody known to answer: every broker, then the configured
+    assert publisher._bootstrap().split(",") == [
+        "10.0.0.1:9091",
+        "10.0.0.1:9092",
+        "10.0.0.1:9093",
+        "a:1",
+        "b:2",
+    ]
