@@ -138,7 +138,7 @@ class RelaySettings(_Section):
         "message.max.bytes.",
     )
     max_inflight_bytes: int = Field(
-        64 * 1024 * 1024,
+        48 * 1024 * 1024,
         ge=1024 * 1024,
         description="Payload bytes one relay holds at once, whatever the row sizes: each "
         "pipeline's claim stops adding rows past its share (this / pipelines; always at "

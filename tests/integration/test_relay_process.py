@@ -340,7 +340,7 @@ async def test_a_backlog_of_large_rows_drains_within_the_memory_budget(
     tmp_path: Path,
 ) -> None:
     # 400 events of 900 KB committed before one relay with default settings starts: its
-    # claims stop at their share of relay.max_inflight_bytes (64 MiB), so its peak resident
+    # claims stop at their share of relay.max_inflight_bytes (48 MiB), so its peak resident
     # memory stays under 300 MiB; claims bounded only in rows (2,000) took ~800 MiB.
     topic = await new_topic(partitions=6)
     ids = await asyncio.to_thread(commit_large, engine, settings, topic, 400, 900_000)
