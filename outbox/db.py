@@ -28,6 +28,24 @@ def connect_options(settings: OutboxSettings) -> dict[str, Any]:
     return {"prepare_threshold": None} if settings.db_pooler == "transaction" else {}
 
 
+async def unprepared_connection(
+    settings: OutboxSettings, application_name: str
+) -> psycopg.AsyncConnection[tuple[Any, ...]]:
+    """An autocommit connection that never prepares a statement (the daemons' own: their
+    statements run once a second or are planned per call anyway, and a prepared one would
+    break on the next server session behind a pooler that slipped past the session probe).
+    A failure to connect is :func:`unavailable`'s error: the cause, never the DSN."""
+    try:
+        return await psycopg.AsyncConnection.connect(
+            settings.libpq_dsn,
+            autocommit=True,
+            prepare_threshold=None,
+            application_name=application_name,
+        )
+    except psycopg.Error as exc:
+        raise unavailable(exc) from None
+
+
 def _engine_options(settings: OutboxSettings, kwargs: dict[str, Any]) -> dict[str, Any]:
     kwargs.setdefault("pool_pre_ping", True)
     # The caller's own connect_args win over the pooler's.

@@ -23,7 +23,7 @@ from typing import Any
 
 import psycopg
 
-from outbox.db import unavailable
+from outbox.db import unavailable, unprepared_connection
 from outbox.errors import DatabaseUnavailable, SchemaMissing
 from outbox.outages import Dependency
 from outbox.resilience.retry import RetryPolicy
@@ -96,16 +96,7 @@ class HorizonWatch:
         await self._close()
 
     async def _connect(self) -> psycopg.AsyncConnection[tuple[Any, ...]]:
-        try:
-            # Unprepared, like the lanes and pipeline connections (see pipeline._connect).
-            return await psycopg.AsyncConnection.connect(
-                self._settings.libpq_dsn,
-                autocommit=True,
-                prepare_threshold=None,
-                application_name="outbox-relay-horizon",
-            )
-        except psycopg.Error as exc:
-            raise unavailable(exc) from None
+        return await unprepared_connection(self._settings, "outbox-relay-horizon")
 
     async def _close(self) -> None:
         conn, self._conn = self._conn, None

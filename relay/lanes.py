@@ -39,7 +39,7 @@ from typing import Any
 
 import psycopg
 
-from outbox.db import unavailable
+from outbox.db import unavailable, unprepared_connection
 from outbox.errors import DatabaseUnavailable, PoolerUnsupported, SchemaMissing
 from outbox.outages import Dependency
 from outbox.poolers import SessionProbe, probe_session, refusal
@@ -168,18 +168,8 @@ class LaneManager:
 
     # -- connection -----------------------------------------------------------------------------
     async def _connect(self) -> psycopg.AsyncConnection[tuple[object, ...]]:
-        try:
-            # Unprepared statements: one heartbeat a second gains nothing from a plan
-            # cache, and nothing is left on a server session (see pipeline._connect).
-            conn = await psycopg.AsyncConnection.connect(
-                self._settings.libpq_dsn,
-                autocommit=True,
-                prepare_threshold=None,
-                application_name="outbox-relay-lanes",
-            )
-        except psycopg.Error as exc:
-            # The cause (SQLSTATE, libpq's reason), never the DSN.
-            raise unavailable(exc) from None
+        # One heartbeat a second gains nothing from a plan cache.
+        conn = await unprepared_connection(self._settings, "outbox-relay-lanes")
         try:
             probe = await check_session(self._settings, conn)
             log.debug("lock connection", extra={"session": probe.describe()})

@@ -30,7 +30,7 @@ from typing import Any
 
 import psycopg
 
-from outbox.db import unavailable
+from outbox.db import unavailable, unprepared_connection
 from outbox.errors import ConfigurationError, DatabaseUnavailable, SchemaMissing, TopicMissing
 from outbox.resilience.retry import RetryPolicy
 from outbox.settings import OutboxSettings
@@ -162,19 +162,9 @@ class Pipeline:
             await self._close()
 
     async def _connect(self) -> psycopg.AsyncConnection[tuple[Any, ...]]:
-        try:
-            # No server-side prepared statements: the claim is never prepared (see
-            # _batch), and preparing BEGIN, COMMIT and the rare restore saves nothing,
-            # while behind a pooler that slipped past the lanes' probe a prepared
-            # statement fails on the next server session with a misleading error.
-            conn = await psycopg.AsyncConnection.connect(
-                self._settings.libpq_dsn,
-                autocommit=True,
-                prepare_threshold=None,
-                application_name=f"outbox-relay-{self._index}",
-            )
-        except psycopg.Error as exc:
-            raise unavailable(exc) from None
+        # Unprepared: the claim is never prepared (see _batch), and preparing BEGIN, COMMIT
+        # and the rare restore saves nothing.
+        conn = await unprepared_connection(self._settings, f"outbox-relay-{self._index}")
         try:
             await conn.execute(CLAIM_SESSION_SETTINGS)
         except BaseException:

@@ -424,7 +424,8 @@ class Publisher:
         self._collect()
         timeout = self._settings.relay.ack_timeout_seconds
         budget = self._inflight
-        taken = await budget.acquire(sum(map(payload_bytes, rows)), timeout)
+        sizes = [payload_bytes(row) for row in rows]
+        taken = await budget.acquire(sum(sizes), timeout)
         if taken is None:
             busy = BrokerUnavailable(
                 "Kafka has not answered for earlier batches (relay.max_inflight_bytes in flight)"
@@ -445,7 +446,7 @@ class Publisher:
         # sick partition holds only its own share and never the healthy ones'.
         left = taken
         for tp, delivery in deliveries.items():
-            share = min(left, sum(payload_bytes(rows[i]) for _, idx in plan[tp] for i in idx))
+            share = min(left, sum(sizes[i] for _, idx in plan[tp] for i in idx))
             budget.hold(delivery, share)
             left -= share
         budget.release(left)
