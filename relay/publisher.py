@@ -88,8 +88,10 @@ _BROKEN = (
 )
 _SPEC = b"1.0"
 # While partitions are stalled, how often their leaders are looked up, and how long one
-# broker may take to answer (see Publisher._watch_leaders).
-LEADER_PROBE_SECONDS = 0.5
+# broker may take to answer (see Publisher._watch_leaders). Every probe interval adds to how
+# long a partition stays held after Kafka's failover; one small metadata request to a broker
+# that answers, only while something is stalled, costs little.
+LEADER_PROBE_SECONDS = 0.25
 _ACK_SMOOTHING = 0.1
 LEADER_PROBE_TIMEOUT_MS = 1500
 # A broker that acknowledged within this long is known to answer (a hung one stops at once).
@@ -242,21 +244,26 @@ class Publisher:
             return producer
         task = self._starting.get(index)
         if task is None:
-            task = self._starting[index] = asyncio.ensure_future(self._connect())
+            task = self._starting[index] = asyncio.ensure_future(self._connect(index))
             task.add_done_callback(lambda _: self._starting.pop(index, None))
-        producer = await asyncio.shield(task)
-        if self._producers[index] is None:
-            self._producers[index] = producer
-        return producer
+        return await asyncio.shield(task)
 
-    async def _connect(self) -> AIOKafkaProducer:
+    async def _connect(self, index: int) -> AIOKafkaProducer:
         producer = self._new_producer()
         try:
             await start_kafka(producer, self._settings)
-        except Exception as exc:
+        except BaseException as exc:  # stop() cancels a start: it must not leak either
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(producer.stop(), 2.0)
-            raise classify(exc) from exc
+            if isinstance(exc, Exception):
+                raise classify(exc) from exc
+            raise
+        # Registered here, before anyone waiting for this start resumes: once the start is
+        # done a caller arriving before them would find neither a producer nor a start and
+        # start a second one, used for its batches but never kept — so never closed, and
+        # never replaced when a partition it sent to stalls (the stall then lasted until its
+        # batch timed out).
+        self._producers[index] = producer
         return producer
 
     @property

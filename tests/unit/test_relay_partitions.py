@@ -143,3 +143,30 @@ async def test_new_clients_bootstrap_from_brokers_that_answer_and_pick_them() ->
         "a:1",
         "b:2",
     ]
+
+
+async def test_a_producer_is_in_place_once_its_start_is_done(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Between the end of a start and the resumption of those waiting for it, a caller finds
+    # no start under way: unless the producer is in place by then, it starts a second one
+    # for the same partitions — never kept, so never closed nor replaced when they stall.
+    made: list[object] = []
+
+    def new_producer(self: Publisher) -> object:
+        made.append(object())
+        return made[-1]
+
+    async def start_kafka(producer: object, settings: OutboxSettings) -> None:
+        await asyncio.sleep(0)
+
+    monkeypatch.setattr(Publisher, "_new_producer", new_producer)
+    monkeypatch.setattr("relay.publisher.start_kafka", start_kafka)
+    publisher = Publisher(OutboxSettings(kafka_bootstrap_servers="a:1"))
+    waiting = asyncio.ensure_future(publisher._start(0))
+    await asyncio.sleep(0)  # the start is under way
+    in_place: list[object | None] = []
+    publisher._starting[0].add_done_callback(lambda _: in_place.append(publisher._producers[0]))
+    assert await waiting is made[0]
+    assert in_place == [made[0]]  # in place before anyone resumed
+    assert await publisher._start(0) is made[0] and len(made) == 1
