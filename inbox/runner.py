@@ -389,7 +389,9 @@ class ConsumerDaemon:
                     next_status = now + STATUS_EVERY_SECONDS
                     log.info("consumer status", extra={"consumer": self.app.name, **self._counts()})
         finally:
+            # Awaited, so that a commit it had under way is pending again for release().
             committer.cancel()
+            await asyncio.gather(committer, return_exceptions=True)
 
     def _lane(
         self,
@@ -513,7 +515,21 @@ class ConsumerDaemon:
         }
         for tp in picked:
             del self._pending_offsets[tp]
-        return not picked or await self._commit(picked)
+        try:
+            return not picked or await self._commit(picked)
+        except asyncio.CancelledError:
+            # The committer is cancelled at shutdown, maybe while Kafka has the request:
+            # the offsets go back so that release() commits them (again: a commit is
+            # idempotent) instead of the next owner re-reading what was finished.
+            self._keep_pending(picked)
+            raise
+
+    def _keep_pending(self, offsets: dict[TopicPartition, int]) -> None:
+        """Offsets for the next commit; a newer offset finished meanwhile wins."""
+        for tp, offset in offsets.items():
+            if self._pending_offsets.get(tp, -1) < offset:
+                self._pending_offsets[tp] = offset
+        self._offsets_ready.set()
 
     async def _commit(self, offsets: dict[TopicPartition, int]) -> bool:
         """One commit request for every partition that moved; per partition only when the
@@ -539,10 +555,7 @@ class ConsumerDaemon:
             # not found yet: keep the offsets for the next try — a newer offset finished
             # meanwhile wins — so that a restart re-reads no more than what is uncommitted.
             # One line per outage.
-            for tp, offset in offsets.items():
-                if self._pending_offsets.get(tp, -1) < offset:
-                    self._pending_offsets[tp] = offset
-            self._offsets_ready.set()
+            self._keep_pending(offsets)
             self.kafka.failed(f"offset commit failed: {type(exc).__name__}")
             return False
         ok = True

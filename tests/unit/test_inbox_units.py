@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+from typing import TYPE_CHECKING
 
 import psycopg.errors
 import pytest
@@ -15,6 +17,9 @@ from inbox.event import InboxEvent
 from inbox.failures import classify, crashed
 from outbox.errors import InvalidIdentifier
 from tests.support.records import Rec
+
+if TYPE_CHECKING:
+    from inbox.runner import ConsumerDaemon
 
 
 class Thing(BaseModel):
@@ -132,18 +137,25 @@ def test_bad_declarations_are_refused() -> None:
         inbox.Consumer(name="bad name", topics=["t"])
 
 
-def test_healthz_is_unhealthy_only_when_waiting_records_make_no_progress() -> None:
-    import time
-    from types import SimpleNamespace
-
-    from inbox.runner import STALLED_AFTER_SECONDS, ConsumerDaemon
+def _daemon() -> ConsumerDaemon:
+    """A consumer daemon that is never started (its settings point nowhere)."""
+    from inbox.runner import ConsumerDaemon
     from outbox.settings import OutboxSettings
 
     settings = OutboxSettings(
         database_url="postgresql+psycopg://u:p@127.0.0.1:1/db",  # type: ignore[arg-type]
         kafka_bootstrap_servers="127.0.0.1:1",
     )
-    daemon = ConsumerDaemon(inbox.Consumer(name="c", topics=["t"]), settings)
+    return ConsumerDaemon(inbox.Consumer(name="c", topics=["t"]), settings)
+
+
+def test_healthz_is_unhealthy_only_when_waiting_records_make_no_progress() -> None:
+    import time
+    from types import SimpleNamespace
+
+    from inbox.runner import STALLED_AFTER_SECONDS
+
+    daemon = _daemon()
     assert not daemon.healthy()  # not started
     daemon._running = True
     assert daemon.healthy()  # no partitions: idle, not unhealthy
@@ -155,15 +167,41 @@ def test_healthz_is_unhealthy_only_when_waiting_records_make_no_progress() -> No
     assert daemon.healthy()  # caught up: quiet is fine
 
 
+async def test_a_commit_cancelled_at_shutdown_leaves_its_offsets_for_the_last_commit() -> None:
+    # The committer is cancelled when the consumer stops, possibly while Kafka has its
+    # request: the offsets it took must be pending again, or release() commits nothing and
+    # the next owner re-reads what this one finished.
+    from aiokafka import TopicPartition
+
+    class Kafka:
+        def __init__(self) -> None:
+            self.asked = asyncio.Event()
+
+        async def commit(self, offsets: dict[TopicPartition, int]) -> None:
+            self.asked.set()
+            await asyncio.Event().wait()  # no answer before the shutdown
+
+    daemon = _daemon()
+    kafka = daemon._kafka = Kafka()  # type: ignore[assignment]
+    a, b = TopicPartition("t", 0), TopicPartition("t", 1)
+    daemon._offset_done(a, 10)
+    daemon._offset_done(b, 7)
+    committing = asyncio.create_task(daemon.flush_offsets())
+    await kafka.asked.wait()
+    assert daemon._pending_offsets == {}  # taken by the commit under way
+    daemon._offset_done(a, 11)  # finished meanwhile: the newer offset wins
+    committing.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await committing
+    assert daemon._pending_offsets == {a: 11, b: 7} and daemon._offsets_ready.is_set()
+
+
 async def test_an_offset_commit_kafka_did_not_take_is_tried_again() -> None:
     # The group coordinator's broker died: the commit fails. The offsets stay pending (a
     # newer one finished meanwhile wins) and go with the next commit, so a restart re-reads
     # no more than what was never committed.
     from aiokafka import TopicPartition
     from aiokafka.errors import KafkaConnectionError
-
-    from inbox.runner import ConsumerDaemon
-    from outbox.settings import OutboxSettings
 
     class Kafka:
         def __init__(self) -> None:
@@ -175,11 +213,7 @@ async def test_an_offset_commit_kafka_did_not_take_is_tried_again() -> None:
                 raise KafkaConnectionError("coordinator gone")
             self.committed.append(dict(offsets))
 
-    settings = OutboxSettings(
-        database_url="postgresql+psycopg://u:p@127.0.0.1:1/db",  # type: ignore[arg-type]
-        kafka_bootstrap_servers="127.0.0.1:1",
-    )
-    daemon = ConsumerDaemon(inbox.Consumer(name="c", topics=["t"]), settings)
+    daemon = _daemon()
     kafka = daemon._kafka = Kafka()  # type: ignore[assignment]
     a, b = TopicPartition("t", 0), TopicPartition("t", 1)
     daemon._offset_done(a, 10)
