@@ -1,4 +1,5 @@
-"""Shared bench plumbing: settings for a scratch database and a fresh schema per run."""
+"""Shared bench plumbing: settings for a scratch database and a fresh schema per run, and
+topics of the run's own, deleted at its end."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import argparse
 import uuid
 
 from aiokafka.admin import NewTopic
+from aiokafka.errors import KafkaError
 from sqlalchemy import text
 
 from outbox import OutboxSettings, load_settings, migrate
@@ -42,6 +44,11 @@ def payload_300b(n: int) -> dict[str, object]:
     }
 
 
+# This run's topics: a bench that kept them would leave thousands of partitions on the
+# broker after a few runs (gigabytes, and minutes of log recovery at its next start).
+_created: list[str] = []
+
+
 async def create_topic(
     settings: OutboxSettings,
     partitions: int,
@@ -56,4 +63,21 @@ async def create_topic(
         await admin.create_topics([NewTopic(name, partitions, 1, topic_configs=config or {})])
     finally:
         await admin.close()
+    _created.append(name)
     return name
+
+
+async def delete_topics(settings: OutboxSettings) -> None:
+    """Delete the topics this run created, and the dead-letter topics made for them."""
+    if not _created:
+        return
+    admin = kafka_admin(settings)
+    await admin.start()
+    try:
+        ours = {*_created, *(t + settings.dlq_suffix for t in _created)}
+        await admin.delete_topics(sorted(ours & set(await admin.list_topics())))
+        _created.clear()
+    except KafkaError as exc:
+        print(f"could not delete this run's topics ({type(exc).__name__}): {sorted(ours)}")
+    finally:
+        await admin.close()

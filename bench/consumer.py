@@ -68,7 +68,7 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 import inbox
 from bench import tracing
-from bench.common import create_topic, drop_schema, payload_300b, scratch_settings
+from bench.common import create_topic, delete_topics, drop_schema, payload_300b, scratch_settings
 from bench.cpuprofile import CpuProfile, Stage
 from inbox import ConsumerDaemon, Metrics
 from outbox import aio
@@ -611,6 +611,7 @@ async def main(args: argparse.Namespace) -> None:
         print(f"after the runs: {load()}")
     finally:
         drop_schema(base)
+        await delete_topics(base)
 
 
 if __name__ == "__main__":

@@ -48,7 +48,7 @@ from dotenv import dotenv_values
 from sqlalchemy.engine import make_url
 
 from bench import tracing
-from bench.common import create_topic
+from bench.common import create_topic, delete_topics
 from outbox import Outbox, migrate
 from outbox.daemon import kafka_consumer, kafka_environment, kafka_producer
 from outbox.db import sync_engine
@@ -687,6 +687,7 @@ def main() -> None:
     finally:
         with psycopg.connect(_dsn(base, "postgres"), autocommit=True) as conn:
             conn.execute(f'DROP DATABASE IF EXISTS "{dbname}" WITH (FORCE)')
+        asyncio.run(delete_topics(base))
         if statistics and logs.exists():
             shutil.rmtree(logs, ignore_errors=True)
 

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import psycopg
 
-from bench.common import create_topic, drop_schema, scratch_settings
+from bench.common import create_topic, delete_topics, drop_schema, scratch_settings
 from bench.relay import pending, relay_env
 from outbox.envelope import lane_for
 from outbox.settings import OutboxSettings
@@ -159,6 +159,7 @@ def main() -> None:
         )
     finally:
         drop_schema(settings)
+        asyncio.run(delete_topics(settings))
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ from tests.support.services import Endpoints, Secured, ServiceUnavailable, endpo
 @pytest.fixture(scope="session")
 def services() -> Iterator[Endpoints]:
     try:
-        with endpoints() as found:
+        with endpoints() as found, kafka_support.scratch_topics_deleted(found.kafka_bootstrap):
             yield found
     except ServiceUnavailable as exc:
         pytest.fail(f"test services unavailable: {exc}", pytrace=False)

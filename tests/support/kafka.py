@@ -3,18 +3,23 @@
 from __future__ import annotations
 
 import asyncio
+import fcntl
+import hashlib
 import os
+import re
 import socket
 import subprocess
+import tempfile
 import uuid
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 
 from aiokafka import AIOKafkaConsumer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
+from aiokafka.errors import KafkaError
 
 
 async def create_topic(
@@ -31,6 +36,63 @@ async def create_topic(
     finally:
         await admin.close()
     return name
+
+
+# How the tests and benchmarks name their topics: a word, then a random hex suffix (and a
+# dead-letter suffix). A user's topics created on the same broker during a run are not
+# taken for the tests' own.
+_SCRATCH = re.compile(r"[a-z][a-z0-9_-]*-[0-9a-f]{6,}(\.[a-z]+)?")
+
+
+async def _topic_names(bootstrap: str) -> set[str]:
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    await admin.start()
+    try:
+        return set(await admin.list_topics())
+    finally:
+        await admin.close()
+
+
+async def _delete_topics(bootstrap: str, names: set[str]) -> None:
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    await admin.start()
+    try:
+        await admin.delete_topics(sorted(names), timeout_ms=60_000)
+    finally:
+        await admin.close()
+
+
+@contextmanager
+def scratch_topics_deleted(bootstrap: str) -> Iterator[None]:
+    """Delete, at the end, the scratch topics created meanwhile: every test uses topics of
+    its own, and a broker that kept them all would hold thousands of partitions after a
+    few runs (gigabytes on disk, minutes of log recovery at its next start).
+
+    Other test sessions may use the same broker at the same time: each holds a shared lock
+    for its whole run, and a session deletes only when it can take the lock alone — the
+    last one out. A session starting meanwhile waits for that cleanup before it looks."""
+    digest = hashlib.sha256(bootstrap.encode()).hexdigest()[:12]
+    lock = Path(tempfile.gettempdir()) / f"outbox-tests-{digest}.lock"
+    with lock.open("a") as f:
+        fcntl.flock(f, fcntl.LOCK_SH)
+        try:
+            before = asyncio.run(_topic_names(bootstrap))
+        except KafkaError:
+            before = None  # the test that needs Kafka says so; nothing to clean then
+        yield
+        fcntl.flock(f, fcntl.LOCK_UN)
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return  # another session runs: the last one deletes
+        if before is None:
+            return
+        with suppress(KafkaError):  # a broker gone by now keeps them; the next run deletes
+            left = {
+                t for t in asyncio.run(_topic_names(bootstrap)) - before if _SCRATCH.fullmatch(t)
+            }
+            if left:
+                asyncio.run(_delete_topics(bootstrap, left))
 
 
 async def cleanup_policies(bootstrap: str, topics: list[str]) -> dict[str, str]:
