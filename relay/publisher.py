@@ -43,6 +43,7 @@ from typing import Any
 from aiokafka import AIOKafkaProducer, TopicPartition
 from aiokafka import errors as kerr
 from aiokafka.partitioner import murmur2
+from aiokafka.protocol.metadata import MetadataRequest
 
 from outbox.daemon import kafka_admin, kafka_producer, kafka_refusal, start_kafka
 from outbox.errors import BrokerUnavailable, ConfigurationError, TopicMissing
@@ -92,6 +93,13 @@ _SPEC = b"1.0"
 # long a partition stays held after Kafka's failover; one small metadata request to a broker
 # that answers, only while something is stalled, costs little.
 LEADER_PROBE_SECONDS = 0.25
+# After Kafka took a hung broker out of a partition's in-sync replicas, how long the batch
+# waiting there gets to be answered before its producer is replaced. It is usually answered
+# at once, or after one retry when its request timed out first (three brokers: every
+# partition waits for the failover, longer than a request timeout). Replacing it sooner
+# re-sends its rows while it lands too: with 0.25 s a 3-broker hang left 500-950 copies,
+# and the consumer, reading through them, fell 7-8 s behind.
+ISR_SETTLE_SECONDS = 1.0
 _ACK_SMOOTHING = 0.1
 LEADER_PROBE_TIMEOUT_MS = 1500
 # A broker that acknowledged within this long is known to answer (a hung one stops at once).
@@ -163,7 +171,7 @@ class Publisher:
         self._closing: set[asyncio.Task[None]] = set()  # replaced producers, flushing
         self._watcher: asyncio.Task[None] | None = None  # leaders of stalled partitions
         self._live: set[int] = set()  # brokers Kafka listed last (not fenced)
-        self._answered: dict[int, float] = {}  # broker -> loop time of its last ack
+        self._answered: dict[int, float] = {}  # broker -> loop time it last answered
         self._lock = asyncio.Lock()
         self._missing: set[str] = set()  # topics known to be missing (logged once each)
         self._inflight = ByteBudget(settings.relay.max_inflight_bytes)
@@ -181,20 +189,35 @@ class Publisher:
         running = self._running()
         if running is None:
             return ",".join(configured)
-        sick, answering = self._sick(), self._answering()
         brokers = running.client.cluster.brokers()
-        good = [f"{b.host}:{b.port}" for b in brokers if b.nodeId in answering - sick]
-        if good:
-            return ",".join(good)
+        best = self._preferred([b.nodeId for b in brokers])
+        if len(best) < len(brokers):
+            return ",".join(f"{b.host}:{b.port}" for b in brokers if b.nodeId in best)
         return ",".join(dict.fromkeys([f"{b.host}:{b.port}" for b in brokers] + configured))
+
+    def _preferred(self, nodes: list[int]) -> list[int]:
+        """The brokers of ``nodes`` to ask first: those that answer now and lead no stalled
+        partition; else those that answer (with ``acks=all`` a healthy leader's partitions
+        stall too while they wait for a hung follower, and it still answers everything
+        else: a hung broker answers nothing); else those not known to be sick."""
+        sick, answering = self._sick(), self._answering()
+        for choice in (
+            [n for n in nodes if n in answering and n not in sick],
+            [n for n in nodes if n in answering],
+            [n for n in nodes if n not in sick],
+        ):
+            if choice:
+                return choice
+        return nodes
 
     def _running(self) -> AIOKafkaProducer | None:
         return next((p for p in self._producers if p is not None), None)
 
     def _answering(self) -> set[int]:
-        """Brokers that acknowledged a batch within the last ``ANSWERED_SECONDS``: known to
-        answer now. After a failover the hung broker's stalls are forgotten (its partitions
-        have new leaders), so "sick" no longer names it; "answering" still leaves it out."""
+        """Brokers that acknowledged a batch, or answered the leader watch, within the last
+        ``ANSWERED_SECONDS``: known to answer now. After a failover the hung broker's
+        stalls are forgotten (its partitions have new leaders), so "sick" no longer names
+        it; "answering" still leaves it out."""
         now = asyncio.get_running_loop().time()
         return {b for b, at in self._answered.items() if now - at < ANSWERED_SECONDS}
 
@@ -213,9 +236,7 @@ class Publisher:
         nodes: list[int] = [b.nodeId for b in client.cluster.brokers()]
         if not nodes:
             return None
-        sick, answering = self._sick(), self._answering()
-        healthy = [n for n in nodes if n not in sick]
-        return random.choice([n for n in healthy if n in answering] or healthy or nodes)
+        return random.choice(self._preferred(nodes))
 
     def _new_producer(self) -> AIOKafkaProducer:
         r = self._settings.relay
@@ -515,16 +536,24 @@ class Publisher:
             while self.health.unavailable:
                 await asyncio.sleep(LEADER_PROBE_SECONDS)
                 stalled = self.health.leaders()
+                # One metadata request: the topics, and the brokers Kafka lists (not
+                # fenced). describe_topics would drop the brokers, describe_cluster would
+                # ask for every topic of the cluster. Whether the broker asked answers is
+                # news too: when every partition waits for a hung replica (three brokers,
+                # replication factor 3) no broker acknowledges anything, and this is how
+                # the brokers that still answer are told from the hung one.
+                node = self._pick_node(admin._client)
                 try:
-                    # One metadata request: the topics, and the brokers Kafka lists (not
-                    # fenced). describe_topics would drop the brokers, describe_cluster
-                    # would ask for every topic of the cluster.
                     answer = await asyncio.wait_for(
-                        admin._get_cluster_metadata(topics=sorted({t for t, _ in stalled})),
+                        admin._send_request(MetadataRequest(sorted({t for t, _ in stalled})), node),
                         LEADER_PROBE_TIMEOUT_MS / 1000 * 2,
                     )
-                except Exception:  # asked the sick broker, probably: ask again
+                except Exception:  # asked the sick broker, probably: ask another
+                    if node is not None:
+                        self._answered.pop(node, None)
                     continue
+                if node is not None:
+                    self._answered[node] = loop.time()
                 metadata = answer.to_object()
                 described = metadata["topics"]
                 self._live = {int(b["node_id"]) for b in metadata["brokers"]}
@@ -540,7 +569,7 @@ class Publisher:
                             continue
                         # A new leader: the batch waits on the old one. In-sync replicas
                         # changed: the batch should be answered now; give it a moment.
-                        if moved or now - acted.setdefault(tp, now) >= LEADER_PROBE_SECONDS:
+                        if moved or now - acted.setdefault(tp, now) >= ISR_SETTLE_SECONDS:
                             producer = self._producers[self._producer_of.get(tp, 0)]
                             if producer is not None:
                                 self._replace(producer)

@@ -170,3 +170,20 @@ async def test_a_producer_is_in_place_once_its_start_is_done(
     assert await waiting is made[0]
     assert in_place == [made[0]]  # in place before anyone resumed
     assert await publisher._start(0) is made[0] and len(made) == 1
+
+
+async def test_when_every_leader_has_a_stalled_partition_the_brokers_that_answer_are_asked() -> (
+    None
+):
+    # Three brokers, replication factor 3, one hung: every partition waits for it, so every
+    # broker leads a stalled partition. Those that answered the leader watch lately are
+    # still asked; the hung one is not (it would hold a start for a request timeout).
+    publisher = Publisher(OutboxSettings(kafka_bootstrap_servers="a:1"))
+    running = _Running([1, 2, 3])
+    publisher._producers[0] = running  # type: ignore[assignment]
+    loop = asyncio.get_running_loop()
+    for partition, leader in enumerate([1, 2, 3]):
+        publisher.health.stalled(("orders", partition), loop.create_future(), leader)
+    publisher._answered = {2: loop.time(), 3: loop.time()}
+    assert {publisher._pick_node(running.client) for _ in range(50)} == {2, 3}
+    assert publisher._bootstrap() == "10.0.0.1:9092,10.0.0.1:9093"
