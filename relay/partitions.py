@@ -181,12 +181,13 @@ class PartitionHealth:
             total = len(partitions.get(topic, ())) or "?"
             log.warning(
                 "%d of %s partitions of %s unavailable since %s, leader %s; their rows wait "
-                "in the outbox, the other partitions keep flowing",
+                "in the outbox%s",
                 len(now),
                 total,
                 topic,
                 since,
                 ", ".join(leaders) or "unknown",
+                "" if len(now) == total else ", the other partitions keep flowing",
                 extra={"topic": topic, "partitions": sorted(now), "leaders": leaders},
             )
             self._reported[topic] = now

@@ -102,12 +102,26 @@ async def test_one_line_per_change_and_none_for_a_blip(
     clock.now += 1.5
     health.report(parts)  # the second partition is down long enough now: a new state
     assert "2 of 6 partitions" in caplog.records[-1].getMessage()
+    assert caplog.records[-1].getMessage().endswith("the other partitions keep flowing")
     a.set_result(None)
     b.set_result(None)
     health.answered()
     health.report(parts)
     assert "available again after 3.0 s" in caplog.records[-1].getMessage()
     assert len(caplog.records) == 3 and gauge(health) == 0
+
+
+async def test_when_every_partition_is_unavailable_no_others_keep_flowing(
+    health: PartitionHealth, clock: Clock, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, "relay.kafka")
+    health.stalled(TP, asyncio.get_running_loop().create_future(), leader=1)
+    clock.now += 1.5
+    health.report({"orders": [3]})
+    [line] = caplog.records
+    message = line.getMessage()
+    assert message.startswith("1 of 1 partitions of orders unavailable since")
+    assert message.endswith("leader 1; their rows wait in the outbox")
 
 
 class _Broker:
