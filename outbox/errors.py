@@ -113,6 +113,10 @@ class BrokerRefused(ConnectionRefused):
 class TopicMissing(ConfigurationError):
     """A topic does not exist; the framework never relies on auto-creation."""
 
+    # What a row's last_error looks like, as SQL LIKE (a relay taking over a lane looks for
+    # rows put back for a missing topic).
+    PATTERN = "Kafka topic % does not exist;%"
+
     def __init__(self, topic: str) -> None:
         super().__init__(
             f"Kafka topic {topic!r} does not exist; create it with `outbox topics ensure` "

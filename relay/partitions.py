@@ -25,6 +25,11 @@ later row of the same key could be claimed first. Two rules keep that from reach
   with a delay due at once, before its first claim of the lane (under the lane's claim
   fence, so after the old owner's last batch), because it knows nothing of the old
   owner's holds (``Pipeline._take_over``).
+
+A topic that does not exist yet holds its rows the same way, as a whole: they go back for a
+few seconds, and once the topic exists no row of it goes out from a claim that started
+before they are due again (``topic_missing``) — or rows committed after the topic was
+created would reach it before them.
 """
 
 from __future__ import annotations
@@ -67,6 +72,7 @@ class PartitionHealth:
         self._clock = clock
         self._stalls: dict[TopicPartition, _Stall] = {}
         self._holds: dict[TopicPartition, float] = {}
+        self._topic_holds: dict[str, float] = {}  # topics found missing: their rows' due time
         # What was last said about each topic: its unavailable partitions (for one log line
         # per change, not one per batch).
         self._reported: dict[str, frozenset[int]] = {}
@@ -79,7 +85,7 @@ class PartitionHealth:
         stall = self._stalls.get(tp)
         if stall is not None:
             return self._put_back(tp, now, self._delay(stall, now), stall.leader)
-        hold = self._holds.get(tp, 0.0)
+        hold = max(self._holds.get(tp, 0.0), self._topic_holds.get(tp[0], 0.0))
         if claimed_at < hold:
             # Put back due when the others are: the claim after that takes them in order.
             return PartitionUnavailable(tp, max(hold - now, 0.0), None)
@@ -102,6 +108,11 @@ class PartitionHealth:
         # The rows become due within ``delay``; no row of tp goes out before then.
         self._holds[tp] = max(self._holds.get(tp, 0.0), now + delay)
         return PartitionUnavailable(tp, delay, leader)
+
+    def topic_missing(self, topic: str, delay: float) -> None:
+        """Rows of ``topic`` went back for ``delay`` seconds: it does not exist (yet)."""
+        due = self._clock() + delay
+        self._topic_holds[topic] = max(self._topic_holds.get(topic, 0.0), due)
 
     @staticmethod
     def _delay(stall: _Stall, now: float) -> float:
@@ -149,6 +160,8 @@ class PartitionHealth:
         horizon = self._clock() - HOLD_MEMORY_SECONDS
         for tp in [tp for tp, hold in self._holds.items() if hold < horizon]:
             del self._holds[tp]
+        for topic in [t for t, hold in self._topic_holds.items() if hold < horizon]:
+            del self._topic_holds[topic]
         clock = self._clock()
         self._metrics.partitions_unavailable.set(len(self._stalls))
         by_topic: dict[str, dict[int, int | None]] = {}

@@ -289,13 +289,14 @@ class Pipeline:
         self, conn: psycopg.AsyncConnection[tuple[Any, ...]], lanes: list[int]
     ) -> list[int]:
         """Lanes this relay just took over: rows their previous owner put back for an
-        unavailable partition become due now, before the first claim, so that the claim
-        cannot pass over them and send a later row of their key first (this relay knows
-        nothing of the old owner's holds). Under the claim fence, so an old owner's batch
-        still in flight finishes first; returns the lanes done (the others wait for it)."""
+        unavailable partition or a missing topic become due now, before the first claim, so
+        that the claim cannot pass over them and send a later row of their key first (this
+        relay knows nothing of the old owner's holds). Under the claim fence, so an old
+        owner's batch still in flight finishes first; returns the lanes done (the others
+        wait for it)."""
         cur = await conn.execute(
             self._store.release_delays,
-            {"lanes": lanes, "marker": PartitionUnavailable.MARKER + "%"},
+            {"lanes": lanes, "held": [PartitionUnavailable.MARKER + "%", TopicMissing.PATTERN]},
         )
         return [int(row[0]) for row in await cur.fetchall()]
 
@@ -328,8 +329,9 @@ class Pipeline:
             if i in missing:
                 # A missing topic is a deployment state, not the row's fault: no attempt is
                 # counted (nothing moves to failed); the row waits and the topic is asked
-                # for again (the publisher logs once per topic).
-                self._publisher.forget_topic(row[TOPIC])
+                # for again (the publisher logs once per topic), and no later row of it
+                # goes out before this one (see relay.partitions).
+                self._publisher.topic_missing(row[TOPIC], MISSING_TOPIC_RECHECK_SECONDS)
                 back.append((row, row[ATTEMPTS], str(exc), MISSING_TOPIC_RECHECK_SECONDS))
             elif isinstance(exc, PartitionUnavailable):
                 # A sick broker: no attempt counted; due again once the delay (which keeps

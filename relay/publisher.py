@@ -430,10 +430,13 @@ class Publisher:
             p = cache[key] = parts[(murmur2(key) & 0x7FFFFFFF) % len(parts)]
         return p
 
-    def forget_topic(self, topic: str) -> None:
-        """Drop cached metadata (after the topic was found missing, or repartitioned)."""
+    def topic_missing(self, topic: str, delay: float) -> None:
+        """``topic``'s rows went back for ``delay`` seconds because it does not exist: ask
+        Kafka for it again next time, and hold its later rows until those are due (see
+        relay.partitions)."""
         self._partitions.pop(topic, None)
         self._key_partition.pop(topic, None)
+        self.health.topic_missing(topic, delay)
 
     def _leader(self, tp: tuple[str, int]) -> int | None:
         producer = self._producers[self._producer_of.get(tp, 0)] or self._running()

@@ -254,8 +254,9 @@ class RelayStore:
 
     @cached_property
     def release_delays(self) -> sql.Composed:
-        """Lanes just taken over: rows put back with a delay for an unavailable partition
-        (``last_error`` LIKE %(marker)s) become due now. Params: lanes, marker. Takes the
+        """Lanes just taken over: rows put back with a delay for an unavailable partition or
+        a missing topic (``last_error`` LIKE any of %(held)s) become due now. Params: lanes,
+        held. Takes the
         claim fence of each lane it can (an old owner's transaction may still hold one) and
         returns those lanes; the claim that follows in the same transaction keeps them."""
         return sql.SQL(
@@ -265,7 +266,7 @@ class RelayStore:
             "), due AS ("
             " UPDATE {events} e SET available_at = now() FROM fenced f"
             " WHERE e.lane = f.lane AND e.published_at IS NULL AND e.available_at > now()"
-            " AND e.last_error LIKE %(marker)s"
+            " AND e.last_error LIKE ANY(%(held)s::text[])"
             ") SELECT lane FROM fenced"
         ).format(fence=sql.Literal(self._ns[2]), events=self._events)
 

@@ -12,6 +12,7 @@ import pytest
 from sqlalchemy import Engine, text
 
 from outbox import Outbox
+from outbox.errors import TopicMissing
 from outbox.settings import OutboxSettings
 from outbox.tables import build_tables
 from relay import Relay
@@ -186,6 +187,43 @@ async def test_oversize_goes_to_failed_and_a_missing_topic_waits_without_blockin
     assert list_failed(settings) == ([], 0)
 
 
+async def test_rows_that_waited_for_their_topic_go_out_before_later_rows_of_their_key(
+    engine: Engine,
+    settings: OutboxSettings,
+    new_topic: Callable[..., Awaitable[str]],
+    running: Callable[[OutboxSettings], Awaitable[Relay]],
+) -> None:
+    # Rows for a topic that does not exist yet go back for a few seconds. The operator
+    # creates it, and rows of the same key keep being committed: a claim that finds the
+    # topic before the early rows are due again must not send the later ones first.
+    missing = f"missing-{uuid.uuid4().hex[:8]}"
+    ob = Outbox(settings)
+    events = ob.tables.events.fullname
+
+    def publish(seqs: range) -> list[str]:
+        with engine.begin() as conn:
+            return [
+                str(ob.publish(conn, topic=missing, key="k", event_type="t", payload={"seq": n}))
+                for n in seqs
+            ]
+
+    def put_back() -> bool:
+        with engine.connect() as conn:
+            waiting = conn.execute(
+                text(f"SELECT count(*) FROM {events} WHERE last_error LIKE :e"),
+                {"e": f"%{missing}%does not exist%"},
+            ).scalar_one()
+        return bool(waiting == 3)
+
+    early = publish(range(3))
+    await running(fast(settings))
+    await wait_for(put_back, timeout=20, what="the rows put back for the missing topic")
+    await new_topic(name=missing, partitions=2)
+    later = publish(range(3, 6))
+    records = await read_all(settings.kafka_bootstrap_servers, missing, expect=6, wait_seconds=30)
+    assert [r.headers["ce_id"].decode() for r in records] == early + later
+
+
 async def test_keep_published_marks_rows_instead_of_deleting(
     engine: Engine,
     settings: OutboxSettings,
@@ -324,17 +362,24 @@ def test_a_claim_stops_at_its_byte_budget_keeping_each_lane_a_prefix(
     assert claim(1 << 20) == list(zip(ids, [0, 1, 0, 1, 0], strict=True))
 
 
-async def test_a_lane_taken_over_publishes_rows_held_for_a_sick_partition_first(
+@pytest.mark.parametrize("held_for", ["a sick partition", "a missing topic"])
+async def test_a_lane_taken_over_publishes_rows_held_back_first(
     engine: Engine,
     settings: OutboxSettings,
     new_topic: Callable[..., Awaitable[str]],
     running: Callable[[OutboxSettings], Awaitable[Relay]],
+    held_for: str,
 ) -> None:
-    # What a relay that died (or gave the lane up) during a broker failure leaves behind:
-    # the row it put back for an unavailable partition, due only later. The next owner
+    # What a relay that died (or gave the lane up) during a broker failure, or before its
+    # topic was created, leaves behind: the row it put back, due only later. The next owner
     # must not pass over it and send the key's later row first; a row the application
     # scheduled for later keeps its time.
     topic = await new_topic(partitions=2)
+    why = (
+        f"{PartitionUnavailable.MARKER}{topic}[0], leader 2"
+        if held_for == "a sick partition"
+        else str(TopicMissing(topic))
+    )
     held, later = publish_numbered(engine, settings, topic, 2, keys=1)
     with engine.begin() as conn:
         scheduled = str(
@@ -347,7 +392,7 @@ async def test_a_lane_taken_over_publishes_rows_held_for_a_sick_partition_first(
                 f"UPDATE {events} SET available_at = now() + interval '60 seconds',"
                 " last_error = :marker WHERE event_id = :id"
             ),
-            {"marker": f"{PartitionUnavailable.MARKER}{topic}[0], leader 2", "id": held},
+            {"marker": why, "id": held},
         )
         conn.execute(
             text(

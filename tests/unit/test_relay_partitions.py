@@ -74,6 +74,20 @@ async def test_after_the_stall_rows_wait_until_those_put_back_are_due(
     assert health.refusal(TP, 104.5) is None  # a claim from then on sees them all
 
 
+async def test_a_missing_topic_holds_its_later_rows_until_those_put_back_are_due(
+    health: PartitionHealth, clock: Clock
+) -> None:
+    # Rows went back for 5 s because the topic did not exist; it exists a second later.
+    # A claim started before they are due did not see them: its rows of the topic wait too.
+    health.topic_missing("orders", 5.0)
+    clock.now += 1
+    refused = health.refusal(TP, clock.now)
+    assert isinstance(refused, PartitionUnavailable) and refused.delay == pytest.approx(4.0)
+    assert health.refusal(("payments", 0), clock.now) is None  # other topics go on
+    clock.now += 4.5
+    assert health.refusal(TP, clock.now) is None  # this claim sees them all, in id order
+
+
 async def test_a_replaced_producer_s_batches_are_forgotten(health: PartitionHealth) -> None:
     batch: asyncio.Future[None] = asyncio.get_running_loop().create_future()
     health.stalled(TP, batch, leader=1)
