@@ -191,7 +191,10 @@ class Publisher:
             return ",".join(configured)
         brokers = running.client.cluster.brokers()
         best = self._preferred([b.nodeId for b in brokers])
-        if len(best) < len(brokers):
+        if best and (len(best) < len(brokers) or set(best) & self._answering()):
+            # Not the configured list as well: it names the sick broker (a fenced one is
+            # no longer among those Kafka lists), and a new producer that tried it first
+            # waited for the hung broker's return.
             return ",".join(f"{b.host}:{b.port}" for b in brokers if b.nodeId in best)
         return ",".join(dict.fromkeys([f"{b.host}:{b.port}" for b in brokers] + configured))
 
@@ -199,7 +202,8 @@ class Publisher:
         """The brokers of ``nodes`` to ask first: those that answer now and lead no stalled
         partition; else those that answer (with ``acks=all`` a healthy leader's partitions
         stall too while they wait for a hung follower, and it still answers everything
-        else: a hung broker answers nothing); else those not known to be sick."""
+        else: a hung broker answers nothing); else those not known to be sick. Empty when
+        every one is sick."""
         sick, answering = self._sick(), self._answering()
         for choice in (
             [n for n in nodes if n in answering and n not in sick],
@@ -208,7 +212,7 @@ class Publisher:
         ):
             if choice:
                 return choice
-        return nodes
+        return []
 
     def _running(self) -> AIOKafkaProducer | None:
         return next((p for p in self._producers if p is not None), None)
@@ -236,7 +240,7 @@ class Publisher:
         nodes: list[int] = [b.nodeId for b in client.cluster.brokers()]
         if not nodes:
             return None
-        return random.choice(self._preferred(nodes))
+        return random.choice(self._preferred(nodes) or nodes)
 
     def _new_producer(self) -> AIOKafkaProducer:
         r = self._settings.relay
@@ -271,6 +275,7 @@ class Publisher:
 
     async def _connect(self, index: int) -> AIOKafkaProducer:
         producer = self._new_producer()
+        started = asyncio.get_running_loop().time()
         try:
             await start_kafka(producer, self._settings)
         except BaseException as exc:  # stop() cancels a start: it must not leak either
@@ -285,6 +290,12 @@ class Publisher:
         # never replaced when a partition it sent to stalls (the stall then lasted until its
         # batch timed out).
         self._producers[index] = producer
+        log.debug(
+            "producer %d started in %.2f s (bootstrap %s)",
+            index,
+            asyncio.get_running_loop().time() - started,
+            producer.client._bootstrap_servers,
+        )
         return producer
 
     @property
@@ -297,11 +308,12 @@ class Publisher:
             if not self.started:
                 await self._start(0)
 
-    def _replace(self, producer: AIOKafkaProducer) -> None:
+    def _replace(self, producer: AIOKafkaProducer, why: str) -> None:
         """Retire a broken producer (a new producer id restarts the sequence numbers); the
         next batch of its partitions starts a new one. Only its partitions notice."""
         if producer not in self._producers:
             return  # replaced already (several of its partitions said so)
+        log.debug("producer replaced: %s", why)
         for i, current in enumerate(self._producers):
             if current is producer:
                 self._producers[i] = None
@@ -376,7 +388,7 @@ class Publisher:
             elif any(r is None for r in results):
                 self.last_ack = asyncio.get_running_loop().time()
         for producer in broken:
-            self._replace(producer)
+            self._replace(producer, "a late answer says it is broken")
 
     # -- metadata -------------------------------------------------------------------------------
     async def _partitions_for(self, producer: AIOKafkaProducer, topic: str) -> list[int]:
@@ -504,7 +516,7 @@ class Publisher:
                 failure = classify(error)
                 outcome.failed.update(dict.fromkeys(idx, failure))
                 if isinstance(failure, ProducerBroken) and producer is not None:
-                    self._replace(producer)
+                    self._replace(producer, f"{tp[0]}[{tp[1]}]: {type(error).__name__}")
         if outcome.acked:
             self.last_ack = loop.time()
         self.health.report(self._partitions)
@@ -551,7 +563,8 @@ class Publisher:
                         admin._send_request(MetadataRequest(sorted({t for t, _ in stalled})), node),
                         LEADER_PROBE_TIMEOUT_MS / 1000 * 2,
                     )
-                except Exception:  # asked the sick broker, probably: ask another
+                except Exception as exc:  # asked the sick broker, probably: ask another
+                    log.debug("leader watch: broker %s did not answer: %r", node, exc)
                     if node is not None:
                         self._answered.pop(node, None)
                     continue
@@ -575,7 +588,8 @@ class Publisher:
                         if moved or now - acted.setdefault(tp, now) >= ISR_SETTLE_SECONDS:
                             producer = self._producers[self._producer_of.get(tp, 0)]
                             if producer is not None:
-                                self._replace(producer)
+                                change = f"leader {p['leader']}" if moved else f"in-sync {isr}"
+                                self._replace(producer, f"{tp[0]}[{tp[1]}] stalled, {change}")
                 seen = {tp: v for tp, v in seen.items() if tp in stalled}
                 acted = {tp: v for tp, v in acted.items() if tp in self.health.leaders()}
         except Exception as exc:  # the next stall starts another watch

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from types import SimpleNamespace
 
 import pytest
 
@@ -171,6 +172,12 @@ async def test_new_clients_bootstrap_from_brokers_that_answer_and_pick_them() ->
         "a:1",
         "b:2",
     ]
+    # After a failover Kafka lists only the brokers it has not fenced, and both answer:
+    # them alone, not the configured list too (it names the hung broker, and a new producer
+    # that tried it first waited for its return).
+    publisher._producers[0] = _Running([2, 3])  # type: ignore[assignment]
+    publisher._answered = {2: now, 3: now}
+    assert publisher._bootstrap() == "10.0.0.1:9092,10.0.0.1:9093"
 
 
 async def test_a_producer_is_in_place_once_its_start_is_done(
@@ -182,7 +189,7 @@ async def test_a_producer_is_in_place_once_its_start_is_done(
     made: list[object] = []
 
     def new_producer(self: Publisher) -> object:
-        made.append(object())
+        made.append(SimpleNamespace(client=SimpleNamespace(_bootstrap_servers="a:1")))
         return made[-1]
 
     async def start_kafka(producer: object, settings: OutboxSettings) -> None:
