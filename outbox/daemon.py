@@ -192,9 +192,13 @@ async def security_refusal(settings: OutboxSettings) -> BrokerRefused | None:
         )
     except TokenUnavailable:  # the identity provider's trouble, not a refusal: retried
         return None
-    except (KafkaConnectionError, TimeoutError, ConnectionResetError):
-        # Connected, then the broker hung up (or never answered) on the first bytes: a
-        # plaintext client talking to a TLS listener, or the other way round.
+    except TimeoutError:
+        # Connected, and no answer at all: a broker that hangs (GC pause, stuck disk). Both
+        # protocol mismatches get the connection closed at once (measured: within 0.1 s).
+        return None
+    except (KafkaConnectionError, ConnectionResetError):
+        # Connected, then the broker hung up on the first bytes: a plaintext client
+        # talking to a TLS listener, or the other way round.
         need = "a plaintext listener needs PLAINTEXT or SASL_PLAINTEXT"
         if not k.uses_tls:
             need = "a TLS listener needs SSL or SASL_SSL"

@@ -42,6 +42,7 @@ from typing import Any
 
 from aiokafka import AIOKafkaProducer, TopicPartition
 from aiokafka import errors as kerr
+from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.partitioner import murmur2
 from aiokafka.protocol.metadata import MetadataRequest
 
@@ -102,6 +103,9 @@ LEADER_PROBE_SECONDS = 0.25
 ISR_SETTLE_SECONDS = 1.0
 _ACK_SMOOTHING = 0.1
 LEADER_PROBE_TIMEOUT_MS = 1500
+# A start of the leader watch's client tries the brokers it is given one after the other,
+# one probe timeout each; past this it is tried again from a fresh list.
+WATCH_START_SECONDS = 5.0
 # A broker that acknowledged within this long is known to answer (a hung one stops at once).
 ANSWERED_SECONDS = 3.0
 _KEY_CACHE_LIMIT = 100_000
@@ -169,6 +173,8 @@ class Publisher:
         # Deliveries of stalled partitions, and the producer each went through.
         self._stuck: dict[asyncio.Future[Any], AIOKafkaProducer | None] = {}
         self._closing: set[asyncio.Task[None]] = set()  # replaced producers, flushing
+        # Pulsed (set, then cleared) when a producer is replaced: see wait_answered.
+        self._replaced = asyncio.Event()
         self._watcher: asyncio.Task[None] | None = None  # leaders of stalled partitions
         self._live: set[int] = set()  # brokers Kafka listed last (not fenced)
         self._answered: dict[int, float] = {}  # broker -> loop time it last answered
@@ -190,29 +196,28 @@ class Publisher:
         if running is None:
             return ",".join(configured)
         brokers = running.client.cluster.brokers()
-        best = self._preferred([b.nodeId for b in brokers])
-        if best and (len(best) < len(brokers) or set(best) & self._answering()):
+        best, answering = self._preferred([b.nodeId for b in brokers])
+        if best and (len(best) < len(brokers) or answering):
             # Not the configured list as well: it names the sick broker (a fenced one is
             # no longer among those Kafka lists), and a new producer that tried it first
             # waited for the hung broker's return.
             return ",".join(f"{b.host}:{b.port}" for b in brokers if b.nodeId in best)
         return ",".join(dict.fromkeys([f"{b.host}:{b.port}" for b in brokers] + configured))
 
-    def _preferred(self, nodes: list[int]) -> list[int]:
-        """The brokers of ``nodes`` to ask first: those that answer now and lead no stalled
-        partition; else those that answer (with ``acks=all`` a healthy leader's partitions
-        stall too while they wait for a hung follower, and it still answers everything
-        else: a hung broker answers nothing); else those not known to be sick. Empty when
-        every one is sick."""
+    def _preferred(self, nodes: list[int]) -> tuple[list[int], bool]:
+        """The brokers of ``nodes`` to ask first, and whether they are known to answer:
+        those that answer now and lead no stalled partition; else those that answer (with
+        ``acks=all`` a healthy leader's partitions stall too while they wait for a hung
+        follower, and it still answers everything else: a hung broker answers nothing);
+        else those not known to be sick. Empty when every one is sick."""
         sick, answering = self._sick(), self._answering()
         for choice in (
             [n for n in nodes if n in answering and n not in sick],
             [n for n in nodes if n in answering],
-            [n for n in nodes if n not in sick],
         ):
             if choice:
-                return choice
-        return []
+                return choice, True
+        return [n for n in nodes if n not in sick], False
 
     def _running(self) -> AIOKafkaProducer | None:
         return next((p for p in self._producers if p is not None), None)
@@ -240,13 +245,13 @@ class Publisher:
         nodes: list[int] = [b.nodeId for b in client.cluster.brokers()]
         if not nodes:
             return None
-        return random.choice(self._preferred(nodes) or nodes)
+        return random.choice(self._preferred(nodes)[0] or nodes)
 
-    def _new_producer(self) -> AIOKafkaProducer:
+    def _new_producer(self, bootstrap: str) -> AIOKafkaProducer:
         r = self._settings.relay
         producer = kafka_producer(
             self._settings,
-            bootstrap_servers=self._bootstrap(),
+            bootstrap_servers=bootstrap,
             client_id="outbox-relay",
             acks="all",
             enable_idempotence=True,
@@ -274,7 +279,8 @@ class Publisher:
         return await asyncio.shield(task)
 
     async def _connect(self, index: int) -> AIOKafkaProducer:
-        producer = self._new_producer()
+        bootstrap = self._bootstrap()
+        producer = self._new_producer(bootstrap)
         started = asyncio.get_running_loop().time()
         try:
             await start_kafka(producer, self._settings)
@@ -294,7 +300,7 @@ class Publisher:
             "producer %d started in %.2f s (bootstrap %s)",
             index,
             asyncio.get_running_loop().time() - started,
-            producer.client._bootstrap_servers,
+            bootstrap,
         )
         return producer
 
@@ -329,6 +335,8 @@ class Publisher:
         task = asyncio.ensure_future(self._close(producer, flush))
         self._closing.add(task)
         task.add_done_callback(self._closing.discard)
+        self._replaced.set()  # wakes every waiter; clearing it does not un-wake them
+        self._replaced.clear()
 
     async def stop(self, within: float) -> None:
         producers = [p for p in self._producers if p is not None]
@@ -366,12 +374,21 @@ class Publisher:
         return bool(self.health.waiting)
 
     async def wait_answered(self, within: float) -> bool:
-        """True when some batch of a stalled partition was answered within ``within``: the
-        probe for "is Kafka back?" after an outage."""
+        """True when some batch of a stalled partition was answered within ``within``, or
+        its producer was replaced: the probe for "is Kafka back?" after an outage. A
+        replaced producer's batches are no longer waited for (its rows are back in the
+        outbox) and the new producer starts from brokers that answer, so it is worth a try
+        at once: waiting on the old batches sat out the backoff after Kafka's failover."""
         waiting = self.health.waiting
         if not waiting:
             return True
-        done, _ = await asyncio.wait(waiting, timeout=within, return_when=asyncio.FIRST_COMPLETED)
+        replaced = asyncio.ensure_future(self._replaced.wait())
+        try:
+            done, _ = await asyncio.wait(
+                [*waiting, replaced], timeout=within, return_when=asyncio.FIRST_COMPLETED
+            )
+        finally:
+            replaced.cancel()
         return bool(done)
 
     def _collect(self) -> None:
@@ -536,20 +553,14 @@ class Publisher:
         (The old batch cannot be committed by a broker that no longer leads, and a copy
         that lands later is a duplicate, never reordered: see relay.partitions.)"""
         loop = asyncio.get_running_loop()
-        admin = kafka_admin(
-            self._settings,
-            bootstrap_servers=self._bootstrap(),
-            request_timeout_ms=LEADER_PROBE_TIMEOUT_MS,
-        )
-        # Its metadata requests go to a broker chosen at random, as a producer's id does:
-        # the same preference for brokers that answer.
-        admin._client.get_random_node = functools.partial(self._pick_node, admin._client)
+        admin: AIOKafkaAdminClient | None = None
         seen: dict[tuple[str, int], tuple[int, ...]] = {}  # in-sync replicas first seen
         acted: dict[tuple[str, int], float] = {}  # when Kafka was first seen to have acted
         try:
-            await start_kafka(admin, self._settings)
             while self.health.unavailable:
                 await asyncio.sleep(LEADER_PROBE_SECONDS)
+                if admin is None and (admin := await self._watch_client()) is None:
+                    continue
                 stalled = self.health.leaders()
                 # One metadata request: the topics, and the brokers Kafka lists (not
                 # fenced). describe_topics would drop the brokers, describe_cluster would
@@ -595,8 +606,33 @@ class Publisher:
         except Exception as exc:  # the next stall starts another watch
             log.debug("leader watch stopped: %r", exc)
         finally:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(admin.close(), 2.0)
+            if admin is not None:
+                await _close_quietly(admin)
+
+    async def _watch_client(self) -> AIOKafkaAdminClient | None:
+        """The leader watch's client, started; None when it could not start in time (the
+        watch tries again at its next probe, from the brokers that answer by then). A hang
+        has just begun when the watch starts, so the broker that hangs may still count as
+        answering, and a start that asks it fails after one short request timeout. Not
+        ``start_kafka``: after a failed start it asks the first configured broker — maybe
+        the hung one — for up to 10 s whether the client was refused, and a refusal is the
+        producers' to report. (In a CI run the watch sat in it for 10 s, through Kafka's
+        failover: the hung broker's partitions waited for their request timeout.)"""
+        admin = kafka_admin(
+            self._settings,
+            bootstrap_servers=self._bootstrap(),
+            request_timeout_ms=LEADER_PROBE_TIMEOUT_MS,
+        )
+        # Its metadata requests go to a broker chosen at random, as a producer's id does:
+        # the same preference for brokers that answer.
+        admin._client.get_random_node = functools.partial(self._pick_node, admin._client)
+        try:
+            await asyncio.wait_for(admin.start(), WATCH_START_SECONDS)
+        except Exception as exc:
+            log.debug("leader watch: its client did not start: %r", exc)
+            await _close_quietly(admin)
+            return None
+        return admin
 
     async def _wait(self, deliveries: Iterable[asyncio.Future[_Delivered]]) -> None:
         """Until every delivery is answered, or a partition's answer is overdue: once Kafka
@@ -718,6 +754,11 @@ class Publisher:
                 builder.append(key=key, value=payload, timestamp=None, headers=headers)
             idx.append(i)
         return plan
+
+
+async def _close_quietly(admin: AIOKafkaAdminClient) -> None:
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(admin.close(), 2.0)
 
 
 def _abandon_queued(producer: AIOKafkaProducer) -> None:

@@ -4,16 +4,18 @@ of a dependency and the third-party log limit, topic specs."""
 from __future__ import annotations
 
 import logging
+import socket
 
 import psycopg
 import pytest
 from aiokafka import errors as kerr
 
-from outbox.daemon import kafka_refusal
+from outbox.daemon import kafka_refusal, security_refusal
 from outbox.db import describe, unavailable
 from outbox.errors import ConfigurationError, DatabaseRefused, DatabaseUnavailable
 from outbox.ops.topics import TopicSpec, _merge, parse_spec
 from outbox.outages import Dependency, limit_third_party_logs
+from outbox.settings import OutboxSettings
 
 _SERVER = 'connection failed: connection to server at "10.0.0.5", port 5432 failed: '
 
@@ -60,6 +62,22 @@ def test_kafka_refusals_are_configuration_errors_even_when_wrapped() -> None:
         refused = kafka_refusal(outer)
     assert isinstance(refused, ConfigurationError) and "SaslAuthenticationFailed" in str(refused)
     assert kafka_refusal(kerr.KafkaConnectionError("down")) is None
+
+
+async def test_a_broker_that_never_answers_is_not_a_refusal(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A hung broker (GC pause, stuck disk) accepts the connection and answers nothing: that
+    # is retried, not a "wrong protocol" configuration error (exit 2) — the relay's leader
+    # watch stopped on it while the broker hung. A protocol mismatch gets the connection
+    # closed at once (tests/security/test_kafka_sasl_ssl.py).
+    monkeypatch.setattr("outbox.daemon._PROBE_SECONDS", 0.3)
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        host, port = silent.getsockname()
+        settings = OutboxSettings(kafka_bootstrap_servers=f"{host}:{port}")
+        assert await security_refusal(settings) is None
 
 
 class Clock:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 from types import SimpleNamespace
 
 import pytest
@@ -12,7 +13,7 @@ from outbox.settings import OutboxSettings
 from relay.errors import PartitionUnavailable
 from relay.metrics import RelayMetrics
 from relay.partitions import MAX_DELAY, MIN_DELAY, PartitionHealth
-from relay.publisher import Publisher
+from relay.publisher import LEADER_PROBE_SECONDS, Publisher
 
 TP = ("orders", 3)
 OTHER = ("orders", 4)
@@ -194,8 +195,8 @@ async def test_a_producer_is_in_place_once_its_start_is_done(
     # for the same partitions — never kept, so never closed nor replaced when they stall.
     made: list[object] = []
 
-    def new_producer(self: Publisher) -> object:
-        made.append(SimpleNamespace(client=SimpleNamespace(_bootstrap_servers="a:1")))
+    def new_producer(self: Publisher, bootstrap: str) -> object:
+        made.append(SimpleNamespace(bootstrap=bootstrap))
         return made[-1]
 
     async def start_kafka(producer: object, settings: OutboxSettings) -> None:
@@ -228,3 +229,66 @@ async def test_when_every_leader_has_a_stalled_partition_the_brokers_that_answer
     publisher._answered = {2: loop.time(), 3: loop.time()}
     assert {publisher._pick_node(running.client) for _ in range(50)} == {2, 3}
     assert publisher._bootstrap() == "10.0.0.1:9092,10.0.0.1:9093"
+
+
+async def test_replacing_a_stalled_batch_s_producer_ends_every_wait_for_kafka(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # After an outage each pipeline waits for a stalled batch to be answered before it
+    # tries Kafka again. A replaced producer's batches are no longer waited for, and may
+    # never be answered: the waits end then, not when their backoff runs out.
+    closed: list[object] = []
+
+    async def close(self: Publisher, producer: object, within: float = 2.0) -> None:
+        closed.append(producer)
+
+    monkeypatch.setattr(Publisher, "_close", close)
+    publisher = Publisher(OutboxSettings(kafka_bootstrap_servers="a:1"))
+    producer = _Running([1])
+    publisher._producers[0] = producer  # type: ignore[assignment]
+    batch: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    publisher.health.stalled(TP, batch, leader=1)
+    publisher._stuck[batch] = producer  # type: ignore[assignment]
+    assert not await publisher.wait_answered(0.05)  # nothing answered, nothing replaced
+    waits = [asyncio.ensure_future(publisher.wait_answered(30.0)) for _ in range(2)]
+    await asyncio.sleep(0.01)
+    publisher._replace(producer, "its partition has a new leader")  # type: ignore[arg-type]
+    assert await asyncio.wait_for(asyncio.gather(*waits), 1.0) == [True, True]
+    assert publisher.health.waiting == [] and publisher._producers[0] is None
+    await asyncio.sleep(0)
+    assert closed == [producer]
+
+
+async def test_the_leader_watch_outlives_a_client_that_cannot_start(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The watch starts as a hang begins, when the hung broker may still count as answering
+    # and be the one its client asks. Its start then fails, and the watch tries again at
+    # its next probe instead of stopping (it stopped in a CI run, and the hung broker's
+    # partitions waited out their request timeout after Kafka's failover).
+    starts: list[float] = []
+
+    async def no_client(self: Publisher) -> None:
+        starts.append(asyncio.get_running_loop().time())
+
+    monkeypatch.setattr(Publisher, "_watch_client", no_client)
+    publisher = Publisher(OutboxSettings(kafka_bootstrap_servers="a:1"))
+    batch: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    publisher.health.stalled(TP, batch, leader=1)
+    watch = asyncio.ensure_future(publisher._watch_leaders())
+    await asyncio.sleep(4 * LEADER_PROBE_SECONDS)
+    assert len(starts) >= 2 and not watch.done()
+    batch.set_result(None)
+    publisher.health.answered()  # the stall ends: so does the watch
+    await asyncio.wait_for(watch, 1.0)
+
+
+async def test_the_leader_watch_s_client_gives_up_on_a_broker_that_never_answers() -> None:
+    # No ten-second diagnostic after a failed start, and no "refused" verdict: None, so the
+    # watch tries again from the brokers that answer by then.
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        host, port = silent.getsockname()
+        publisher = Publisher(OutboxSettings(kafka_bootstrap_servers=f"{host}:{port}"))
+        assert await publisher._watch_client() is None
