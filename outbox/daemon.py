@@ -247,8 +247,8 @@ class MetadataWatch:
     partitions Kafka moved away from it are still fetched from it, and a consumer whose
     group coordinator hung may look up the hung one again and be thrown out of the group.
     :meth:`refresh` asks the brokers one at a time, the one that answered last first, each
-    for at most ``each_seconds``; the client's random choice avoids the brokers that did
-    not answer."""
+    for at most ``each_seconds``; the client's random choice becomes the broker that
+    answered the last refresh, else one that did not fail to answer."""
 
     def __init__(self, client: Any, topics: Sequence[str], each_seconds: float) -> None:
         self._client = client
@@ -266,8 +266,17 @@ class MetadataWatch:
     SILENT_SECONDS = 30.0
 
     def _pick(self) -> int | None:
+        """Where aiokafka sends a group coordinator lookup. Heartbeats stop while the
+        coordinator is unknown (after a commit timed out, say, waiting for a hung replica),
+        and a lookup sent to a hung broker waits a whole request timeout: long enough for
+        the group to drop this member (session 10 s) and rebalance. A broker that has not
+        failed to answer yet may be the hung one; the one that answered the last refresh
+        (a second ago) is not."""
         nodes = [b.nodeId for b in self._client.cluster.brokers()]
-        answering = [n for n in nodes if n not in self._quiet()]
+        quiet = self._quiet()
+        if self._answered in nodes and self._answered not in quiet:
+            return self._answered
+        answering = [n for n in nodes if n not in quiet]
         return random.choice(answering or nodes) if nodes else None
 
     async def refresh(self) -> bool:

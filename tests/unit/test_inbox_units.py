@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from types import SimpleNamespace
 from typing import TYPE_CHECKING
 
 import psycopg.errors
 import pytest
+from aiokafka import errors as kerr
 from pydantic import BaseModel, ValidationError
 from sqlalchemy.exc import IntegrityError, OperationalError
 
@@ -15,6 +17,7 @@ import inbox
 from inbox.envelopes.cloudevents import decode
 from inbox.event import InboxEvent
 from inbox.failures import classify, crashed
+from outbox.daemon import MetadataWatch
 from outbox.errors import InvalidIdentifier
 from tests.support.records import Rec
 
@@ -226,3 +229,43 @@ async def test_an_offset_commit_kafka_did_not_take_is_tried_again() -> None:
     assert await daemon.flush_offsets()
     assert kafka.committed == [{a: 12, b: 7}] and daemon._pending_offsets == {}
     assert daemon.kafka.up
+
+
+class _Cluster:
+    def __init__(self, nodes: list[int]) -> None:
+        self._brokers = [SimpleNamespace(nodeId=n) for n in nodes]
+
+    def brokers(self) -> list[SimpleNamespace]:
+        return self._brokers
+
+    def update_metadata(self, response: object) -> None:
+        pass
+
+
+class _Client:
+    """What MetadataWatch uses of an aiokafka client; ``hung`` brokers never answer."""
+
+    def __init__(self, nodes: list[int], hung: set[int]) -> None:
+        self.cluster = _Cluster(nodes)
+        self.hung = hung
+
+    async def send(self, node: int, request: object) -> SimpleNamespace:
+        if node in self.hung:
+            raise kerr.RequestTimedOutError()
+        return SimpleNamespace(brokers=self.cluster.brokers())
+
+
+async def test_a_coordinator_lookup_goes_to_the_broker_that_answered_last() -> None:
+    # A lookup sent to a hung broker waits a whole request timeout with heartbeats stopped:
+    # the group dropped the member and rebalanced. Not yet known to be silent is not
+    # enough; the broker that answered the last refresh answers.
+    client = _Client([1, 2, 3], hung={1})
+    watch = MetadataWatch(client, ["orders"], each_seconds=0.1)
+    assert await watch.refresh()  # 1 does not answer, 2 does
+    assert {client.get_random_node() for _ in range(50)} == {2}  # type: ignore[attr-defined]
+    client.hung.add(2)
+    assert await watch.refresh()  # 2 first, then 3 (1 failed lately: last)
+    assert {client.get_random_node() for _ in range(50)} == {3}  # type: ignore[attr-defined]
+    client.hung = {1, 2, 3}
+    assert not await watch.refresh()  # nobody answers: any broker, none preferred
+    assert {client.get_random_node() for _ in range(200)} == {1, 2, 3}  # type: ignore[attr-defined]
