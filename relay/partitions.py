@@ -118,6 +118,13 @@ class PartitionHealth:
     def _delay(stall: _Stall, now: float) -> float:
         return min(MAX_DELAY, max(MIN_DELAY, (now - stall.started) / 8))
 
+    def next_release(self) -> float | None:
+        """Seconds until the first hold of a partition that is not stalled (any more) has
+        passed — its put-back rows are due and a claim may send them — or None."""
+        now = self._clock()
+        ahead = [due for tp, due in self._holds.items() if tp not in self._stalls and due > now]
+        return min(ahead) - now if ahead else None
+
     def leaders(self) -> dict[TopicPartition, int | None]:
         """The stalled partitions and the leader each had when it stalled."""
         return {tp: stall.leader for tp, stall in self._stalls.items()}

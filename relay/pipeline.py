@@ -180,7 +180,8 @@ class Pipeline:
 
     async def _kafka_ready(self, stopping: asyncio.Event) -> bool:
         """Connect the producer and, after an outage, wait (with full jitter) until the
-        batches that timed out are acknowledged — they are the probe for recovery."""
+        batches that timed out are acknowledged — they are the probe for recovery — or
+        some of their partitions can take rows again (``Publisher.wait_answered``)."""
         try:
             await self._publisher.ensure_started()
         except ConfigurationError:

@@ -374,22 +374,27 @@ class Publisher:
         return bool(self.health.waiting)
 
     async def wait_answered(self, within: float) -> bool:
-        """True when some batch of a stalled partition was answered within ``within``, or
-        its producer was replaced: the probe for "is Kafka back?" after an outage. A
-        replaced producer's batches are no longer waited for (its rows are back in the
-        outbox) and the new producer starts from brokers that answer, so it is worth a try
-        at once: waiting on the old batches sat out the backoff after Kafka's failover."""
+        """The probe for "is Kafka back?" after an outage: True when within ``within`` some
+        batch of a stalled partition was answered, or its producer was replaced, or the
+        rows put back for a partition no longer stalled became due. A replaced producer's
+        batches are no longer waited for (its rows are back in the outbox), and the new one
+        starts from brokers that answer: its partitions are worth a try as soon as their
+        rows are due. Waiting on the stalled batches instead sat out the backoff — in a
+        three-broker hang the partitions Kafka moved first waited for the last ones."""
         waiting = self.health.waiting
         if not waiting:
             return True
+        release = self.health.next_release()
+        released = release is not None and release <= within
+        timeout = release if release is not None and released else within
         replaced = asyncio.ensure_future(self._replaced.wait())
         try:
             done, _ = await asyncio.wait(
-                [*waiting, replaced], timeout=within, return_when=asyncio.FIRST_COMPLETED
+                [*waiting, replaced], timeout=timeout, return_when=asyncio.FIRST_COMPLETED
             )
         finally:
             replaced.cancel()
-        return bool(done)
+        return bool(done) or released
 
     def _collect(self) -> None:
         """End the stalls whose batches Kafka has answered; replace a producer whose late

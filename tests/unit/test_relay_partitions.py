@@ -292,3 +292,24 @@ async def test_the_leader_watch_s_client_gives_up_on_a_broker_that_never_answers
         host, port = silent.getsockname()
         publisher = Publisher(OutboxSettings(kafka_bootstrap_servers=f"{host}:{port}"))
         assert await publisher._watch_client() is None
+
+
+async def test_the_wait_for_kafka_ends_when_rows_of_a_partition_taken_back_are_due() -> None:
+    # Three brokers, one hung: Kafka moves some partitions before others. Those whose
+    # producer was replaced have rows put back for a moment; once they are due a claim
+    # may send them, while the other partitions are still stalled.
+    publisher = Publisher(OutboxSettings(kafka_bootstrap_servers="a:1"))
+    loop = asyncio.get_running_loop()
+    stuck: asyncio.Future[None] = loop.create_future()
+    publisher.health.stalled(TP, stuck, leader=1)
+    assert publisher.health.next_release() is None  # a stalled partition's hold: not yet
+    assert not await publisher.wait_answered(0.05)
+    taken_back: asyncio.Future[None] = loop.create_future()
+    publisher.health.stalled(OTHER, taken_back, leader=1)  # put back for MIN_DELAY
+    publisher.health.forget([taken_back])  # its producer was replaced
+    release = publisher.health.next_release()
+    assert release is not None and 0 < release <= MIN_DELAY
+    started = loop.time()
+    assert await publisher.wait_answered(30.0)
+    assert release - 0.05 <= loop.time() - started < 5.0  # when due, not after the backoff
+    assert publisher.health.next_release() is None and publisher.health.waiting == [stuck]
