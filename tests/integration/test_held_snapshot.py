@@ -204,6 +204,51 @@ async def test_a_late_commit_is_published_between_its_neighbours_while_a_snapsho
     assert (v.lost, v.out_of_order) == (0, 0), v
 
 
+async def test_claims_cut_short_by_the_byte_budget_skip_nothing_while_a_snapshot_is_held(
+    engine: Engine,
+    settings: OutboxSettings,
+    new_topic: Callable[..., Awaitable[str]],
+    running: Callable[[OutboxSettings], Awaitable[Relay]],
+) -> None:
+    """Rows of ~60 KB against a 1 MiB in-flight budget: every claim stops at its byte share,
+    in the middle of a lane, while a snapshot is held and the lane cursors move. A cursor
+    must rest on the last row its claim took, not on what the scan passed: every row
+    arrives, in commit order per key, a late commit between its key's neighbours."""
+    s = fast(settings, max_inflight_bytes=1024 * 1024)
+    topic = await new_topic(partitions=2)
+    ob = Outbox(s)
+    pad = "x" * 60_000
+
+    def big(key: str, seq: int) -> Message:
+        # seq follows commit order (the late row gets its seq for when it commits).
+        return Message(
+            topic=topic, key=key, event_type="t", payload={"key": key, "seq": seq, "pad": pad}
+        )
+
+    keys = ["k", "a", "b", "c"]
+    ids: list[str] = []
+    with held_snapshot(s), engine.connect() as slow:
+        with engine.begin() as conn:
+            ids += map(str, ob.publish_many(conn, [big("k", 0)]))
+        slow_tx = slow.begin()
+        [late] = ob.publish_many(slow, [big("k", 1000)])
+        for n in range(1, 31):  # a backlog of 120 rows, ~7 MB
+            with engine.begin() as conn:
+                ids += map(str, ob.publish_many(conn, [big(key, n) for key in keys]))
+        relay = await running(s)
+        await asyncio.sleep(1.0)
+        slow_tx.commit()
+        with engine.begin() as conn:
+            ids += [str(late), *map(str, ob.publish_many(conn, [big("k", 2000)]))]
+        records = await read_ids(s.kafka_bootstrap_servers, topic, ids)
+    v = verdict(records, ids)
+    assert (v.lost, v.out_of_order) == (0, 0), v
+    assert [r.headers["ce_id"].decode() for r in records if r.key == b"k"][-2:] == ids[-2:]
+    # The budget did cut the claims: one claim could have taken the whole backlog.
+    claims = relay.metrics.registry.get_sample_value("outbox_relay_batch_size_count")
+    assert claims is not None and claims >= 7, claims
+
+
 async def test_delayed_and_put_back_rows_are_not_skipped_while_a_snapshot_is_held(
     engine: Engine,
     settings: OutboxSettings,
