@@ -91,6 +91,7 @@ class Pipeline:
         self._db_retry = RetryPolicy.from_settings(settings.retry)
         self._conn: psycopg.AsyncConnection[tuple[Any, ...]] | None = None
         self._rotation = 0
+        self._tried_at = -1e9  # loop time this pipeline last claimed (Kafka down: a probe)
         # This pipeline's share of the relay's memory budget (see RelayStore.claim).
         self._claim_bytes = max(1, r.max_inflight_bytes // r.pipelines)
 
@@ -191,22 +192,27 @@ class Pipeline:
             self._metrics.errors.labels(type(exc).__name__).inc()
             await sleep_unless(stopping, self._kafka.backoff())
             return False
-        if self._kafka.up:
+        if self._kafka.up or self._publisher.replaced_at > self._tried_at:
+            # Since this pipeline last tried, Kafka moved stalled partitions and their
+            # producers were replaced: their rows are worth a try at once.
             return True
         delay = self._kafka.backoff()
         if self._publisher.has_outstanding:
             if not await self._publisher.wait_answered(delay):
                 self._kafka.failed(TimeoutError("earlier batches still unanswered"))
                 return False
-            return True  # Kafka answered an old batch: try a real one
-        await sleep_unless(stopping, delay)
+            return True  # Kafka answered an old batch, or took partitions back: try
+        # Nothing to wait for — perhaps because the stuck batches' producers were replaced:
+        # rows put back for their partitions are worth a try as soon as they are due, not
+        # after the backoff (it slept 1.6 s past them in a crash run).
+        await sleep_unless(stopping, self._publisher.release_within(delay))
         return True
 
     async def _batch(self, lanes: list[int]) -> int:
         conn = self._conn
         assert conn is not None
         loop = asyncio.get_running_loop()
-        started = loop.time()
+        started = self._tried_at = loop.time()
         outcome: Outcome | None = None
         rows: list[ClaimedRow] = []
         # Where each lane's scan starts (relay/cursor.py); with a horizon known, the probe

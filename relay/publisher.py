@@ -175,6 +175,7 @@ class Publisher:
         self._closing: set[asyncio.Task[None]] = set()  # replaced producers, flushing
         # Pulsed (set, then cleared) when a producer is replaced: see wait_answered.
         self._replaced = asyncio.Event()
+        self.replaced_at = -1e9  # loop time of the last replacement
         self._watcher: asyncio.Task[None] | None = None  # leaders of stalled partitions
         self._live: set[int] = set()  # brokers Kafka listed last (not fenced)
         self._answered: dict[int, float] = {}  # broker -> loop time it last answered
@@ -335,6 +336,7 @@ class Publisher:
         task = asyncio.ensure_future(self._close(producer, flush))
         self._closing.add(task)
         task.add_done_callback(self._closing.discard)
+        self.replaced_at = asyncio.get_running_loop().time()
         self._replaced.set()  # wakes every waiter; clearing it does not un-wake them
         self._replaced.clear()
 
@@ -384,9 +386,7 @@ class Publisher:
         waiting = self.health.waiting
         if not waiting:
             return True
-        release = self.health.next_release()
-        released = release is not None and release <= within
-        timeout = release if release is not None and released else within
+        timeout = self.release_within(within)
         replaced = asyncio.ensure_future(self._replaced.wait())
         try:
             done, _ = await asyncio.wait(
@@ -394,7 +394,13 @@ class Publisher:
             )
         finally:
             replaced.cancel()
-        return bool(done) or released
+        return bool(done) or timeout < within
+
+    def release_within(self, within: float) -> float:
+        """``within``, or sooner when rows put back for a partition that is not stalled (any
+        more) are due sooner: a claim may send them then."""
+        release = self.health.next_release()
+        return within if release is None else min(within, release)
 
     def _collect(self) -> None:
         """End the stalls whose batches Kafka has answered; replace a producer whose late

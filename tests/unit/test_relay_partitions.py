@@ -252,7 +252,10 @@ async def test_replacing_a_stalled_batch_s_producer_ends_every_wait_for_kafka(
     assert not await publisher.wait_answered(0.05)  # nothing answered, nothing replaced
     waits = [asyncio.ensure_future(publisher.wait_answered(30.0)) for _ in range(2)]
     await asyncio.sleep(0.01)
+    before = asyncio.get_running_loop().time()
     publisher._replace(producer, "its partition has a new leader")  # type: ignore[arg-type]
+    # A pipeline that last tried before this tries again at once, waiting or not.
+    assert publisher.replaced_at >= before
     assert await asyncio.wait_for(asyncio.gather(*waits), 1.0) == [True, True]
     assert publisher.health.waiting == [] and publisher._producers[0] is None
     await asyncio.sleep(0)
@@ -309,6 +312,8 @@ async def test_the_wait_for_kafka_ends_when_rows_of_a_partition_taken_back_are_d
     publisher.health.forget([taken_back])  # its producer was replaced
     release = publisher.health.next_release()
     assert release is not None and 0 < release <= MIN_DELAY
+    # With nothing left to wait for, the backoff is cut short the same way.
+    assert publisher.release_within(30.0) <= release and publisher.release_within(0.01) == 0.01
     started = loop.time()
     assert await publisher.wait_answered(30.0)
     assert release - 0.05 <= loop.time() - started < 5.0  # when due, not after the backoff
