@@ -627,8 +627,8 @@ class Publisher:
         answering, and a start that asks it fails after one short request timeout. Not
         ``start_kafka``: after a failed start it asks the first configured broker — maybe
         the hung one — for up to 10 s whether the client was refused, and a refusal is the
-        producers' to report. (In a CI run the watch sat in it for 10 s, through Kafka's
-        failover: the hung broker's partitions waited for their request timeout.)"""
+        producers' to report. (In hang test runs the watch sat in it for 10 s, through
+        Kafka's failover: the hung broker's partitions waited for their request timeout.)"""
         admin = kafka_admin(
             self._settings,
             bootstrap_servers=self._bootstrap(),
