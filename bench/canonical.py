@@ -18,7 +18,7 @@ from pydantic_core import to_json
 
 from bench.common import payload_300b
 from outbox import Message, canonical_json, idempotency_key
-from outbox.envelope import StoredEvent, prepare, same_event
+from outbox.envelope import Row, StoredEvent, prepare, same_event
 
 
 def _per_call_us(fn: Callable[[int], object], n: int) -> float:
@@ -37,7 +37,7 @@ def main() -> None:
     payloads = [payload_300b(i) for i in range(n)]
     print(f"canonical bench: {n} calls each, payload {len(to_json(payloads[0]))} B")
 
-    def prep(i: int) -> object:
+    def prep(i: int) -> Row:
         message = Message(topic="orders", payload=payloads[i], event_type="order.created")
         return prepare(message, lanes=64, max_bytes=1 << 20, default_source="urn:bench")
 

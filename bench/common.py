@@ -74,7 +74,7 @@ async def delete_topics(settings: OutboxSettings) -> None:
     admin = kafka_admin(settings)
     await admin.start()
     try:
-        ours = {*_created, *(t + settings.dlq_suffix for t in _created)}
+        ours = {*_created, *(t + settings.consumer.dlq_suffix for t in _created)}
         await admin.delete_topics(sorted(ours & set(await admin.list_topics())))
         _created.clear()
     except KafkaError as exc:

@@ -640,8 +640,7 @@ def main() -> None:
             print(json.dumps(results))
             return
         if args.held_snapshot:
-            results = held_snapshot_run(settings, args, logs)
-            print(json.dumps(results))
+            print(json.dumps(held_snapshot_run(settings, args, logs)))
             return
         topic = asyncio.run(create_topic(settings, args.partitions))
         print(
