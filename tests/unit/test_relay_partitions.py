@@ -267,8 +267,8 @@ async def test_the_leader_watch_outlives_a_client_that_cannot_start(
 ) -> None:
     # The watch starts as a hang begins, when the hung broker may still count as answering
     # and be the one its client asks. Its start then fails, and the watch tries again at
-    # its next probe instead of stopping (it stopped in a CI run, and the hung broker's
-    # partitions waited out their request timeout after Kafka's failover).
+    # its next probe instead of stopping (it stopped in hang test runs, and the hung
+    # broker's partitions waited out their request timeout after Kafka's failover).
     starts: list[float] = []
 
     async def no_client(self: Publisher) -> None:
