@@ -20,6 +20,7 @@ from outbox.ops.topics import relay_topics
 from outbox.poolers import SessionProbe
 from outbox.resilience.retry import RetryPolicy
 from outbox.settings import OutboxSettings
+from relay.crew import Crew
 from relay.cursor import ClaimCursors
 from relay.horizon import HorizonWatch
 from relay.kafka_state import KafkaState
@@ -121,6 +122,7 @@ class Relay:
                 "metrics_port": self._metrics_port,
             },
         )
+        crew = Crew(s.relay)
         pipelines = [
             Pipeline(
                 i,
@@ -131,6 +133,7 @@ class Relay:
                 self._kafka,
                 self.metrics,
                 self.cursors,
+                crew,
             )
             for i in range(s.relay.pipelines)
         ]

@@ -35,6 +35,7 @@ from outbox.errors import ConfigurationError, DatabaseUnavailable, SchemaMissing
 from outbox.resilience.retry import RetryPolicy
 from outbox.settings import OutboxSettings
 from relay import tracing
+from relay.crew import Crew
 from relay.cursor import ClaimCursors
 from relay.errors import PartitionUnavailable, ProducerBroken, RecordRejected
 from relay.kafka_state import KafkaState
@@ -73,8 +74,10 @@ class Pipeline:
         kafka: KafkaState,
         metrics: RelayMetrics,
         cursors: ClaimCursors,
+        crew: Crew,
     ) -> None:
         self._database = lanes.database
+        self._crew = crew
         self._cursors = cursors
         self._index = index
         self._settings = settings
@@ -92,12 +95,9 @@ class Pipeline:
         self._conn: psycopg.AsyncConnection[tuple[Any, ...]] | None = None
         self._rotation = 0
         self._tried_at = -1e9  # loop time this pipeline last claimed (Kafka down: a probe)
-        # This pipeline's share of the relay's memory budget (see RelayStore.claim).
-        self._claim_bytes = max(1, r.max_inflight_bytes // r.pipelines)
 
     def _my_lanes(self) -> list[int]:
-        owned = sorted(self._lanes.owned)
-        mine = owned[self._index :: self._settings.relay.pipelines]
+        mine = self._crew.lanes(self._index, sorted(self._lanes.owned))
         if not mine:
             return mine
         # Rotate the scan start so that a busy first lane cannot starve the others.
@@ -116,7 +116,10 @@ class Pipeline:
                     continue
                 lanes = self._my_lanes()
                 if not lanes:
-                    await self._lanes.wait_changed(r.poll_interval_seconds)
+                    if self._lanes.owned:  # a light stream: the first pipeline claims them
+                        await self._crew.wait_busy(r.poll_interval_seconds)
+                    else:
+                        await self._lanes.wait_changed(r.poll_interval_seconds)
                     continue
                 try:
                     if self._conn is None:
@@ -241,7 +244,7 @@ class Pipeline:
                         "lanes": lanes,
                         "after": plan.after,
                         "limit": self._settings.relay.batch_size,
-                        "max_bytes": self._claim_bytes,
+                        "max_bytes": self._crew.claim_bytes,
                     },
                     prepare=False,
                 )
@@ -257,6 +260,7 @@ class Pipeline:
                         },
                     )
                 rows = await cur.fetchall()
+                self._crew.claimed(rows)
                 # Drop libpq's copy of the result (as large as the rows) before the
                 # producer makes its own.
                 await cur.close()

@@ -1,0 +1,336 @@
+"""Latency at a steady rate through the CLI daemons, as users run them.
+
+    python -m bench.steady                               # 1,000 events/s, 10 ms batches, 60 s
+    python -m bench.steady --rate 5000 --single --producers 4
+    python -m bench.steady --consumer                    # end to end through `outbox consume`
+    python -m bench.steady --vs /path/to/old/outbox --pairs 3   # alternate two relay builds
+    python -m bench.steady --idle 30                     # also the relay's cost with no events
+    python -m bench.steady --busy 1                      # on a busy host: a CPU-bound process
+
+A producer (child processes, ``Outbox.publish_many`` in the caller's transaction as an
+application does) commits ``--rate`` events/s over ``--keys`` keys: one transaction per
+``--tick-ms`` carrying what is due (batched), or one event per transaction (``--single``,
+spread over ``--producers`` processes: one client commits ~2,500 one-row transactions/s
+here). ``outbox relay`` runs as a process; with ``--consumer`` so does ``outbox consume
+bench.steady_app:app``, whose handler notes ``clock_timestamp()`` per event.
+
+Printed per run, over the last ``--window`` seconds (the start is warm-up):
+
+* relay: producer commit returned -> the broker's append (LogAppendTime), p50/p99/max ms;
+* end to end (``--consumer``): producer commit returned -> the handler's insert, p50/p99/max;
+* the relay process's CPU (user + system) per event and in % of a core.
+
+Both clocks are this machine's wall clock. ``--vs`` runs this build's relay and another
+build's ``outbox`` executable alternately (the consumer is always this build's), a fresh
+topic each run, and prints the medians of each side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+import psycopg
+from sqlalchemy.engine import make_url
+
+from bench.common import create_topic, delete_topics
+from bench.relay import _dsn, own_outbox, read_topic, relay_env, stop_relays, wait_balanced
+from bench.steady_app import DDL, TABLE
+from outbox import Outbox, migrate
+from outbox.db import sync_engine
+from outbox.envelope import Message
+from outbox.settings import OutboxSettings
+
+PAD = 250  # JSON payload of ~300 bytes
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+@dataclass
+class Run:
+    relay: tuple[float, float, float]  # p50, p99, max ms
+    e2e: tuple[float, float, float] | None
+    events: int
+    cpu_us_per_event: float
+    cpu_share: float  # of one core
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU of process ``pid`` so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / _TICK
+
+
+def producer(
+    url: str, topic: str, rate: float, seconds: float, tick: float, keys: int, first: int,
+    step: int, single: bool, out: Connection,
+) -> None:  # fmt: skip
+    """Child process: commit events ``first, first + step, ...`` at ``rate``/s for
+    ``seconds``; send back {event_id: wall-clock time its commit returned}."""
+    settings = OutboxSettings(database_url=url)  # type: ignore[arg-type]
+    engine = sync_engine(settings, pool_pre_ping=False)
+    ob = Outbox(settings)
+    committed: dict[str, float] = {}
+
+    def message(i: int) -> Message:
+        payload = {"n": i, "pad": "x" * PAD}
+        return Message(topic=topic, key=f"k{i % keys}", event_type="bench.steady", payload=payload)
+
+    begin, n = time.perf_counter(), 0
+    try:
+        while (elapsed := time.perf_counter() - begin) < seconds:
+            due = int(elapsed * rate)
+            if due > n:
+                numbers = [first + step * i for i in range(n, due)]
+                groups = [[i] for i in numbers] if single else [numbers]
+                for group in groups:
+                    with engine.begin() as conn:
+                        eids = ob.publish_many(conn, [message(i) for i in group])
+                    now = time.time()
+                    committed.update((str(e), now) for e in eids)
+                n = due
+            # Single events: commit each as soon as it is due; batches: once per tick.
+            wait = (n + 1) / rate - elapsed if single else tick
+            time.sleep(max(0.0, min(wait, tick)))
+    finally:
+        engine.dispose()
+    out.send(committed)
+    out.close()
+
+
+def produce(settings: OutboxSettings, topic: str, args: argparse.Namespace) -> dict[str, float]:
+    """Run the producer processes for ``args.seconds``; every event's commit time."""
+    ctx = multiprocessing.get_context("spawn")
+    n = args.producers
+    url = settings.database_url.get_secret_value()
+    pipes, procs = [], []
+    for p in range(n):
+        recv, send = ctx.Pipe(duplex=False)
+        proc = ctx.Process(
+            target=producer,
+            args=(url, topic, args.rate / n, args.seconds, args.tick_ms / 1000, args.keys, p, n,
+                  args.single, send),
+        )  # fmt: skip
+        proc.start()
+        pipes.append(recv)
+        procs.append(proc)
+    committed: dict[str, float] = {}
+    for recv, proc in zip(pipes, procs, strict=True):
+        committed.update(recv.recv())
+        proc.join()
+    return committed
+
+
+def profile(pid: int, args: argparse.Namespace, out: Path) -> subprocess.Popen[bytes] | None:
+    """py-spy sampling the relay while the stream runs (folded stacks, idle excluded)."""
+    if not args.profile:
+        return None
+    spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+    return subprocess.Popen(
+        [spy, "record", "--nonblocking", "-r", "200", "-f", "raw", "-o", str(out), "-p",
+         str(pid), "-d", str(int(args.seconds))],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+
+
+def handled(settings: OutboxSettings, expect: set[str], timeout: float = 60) -> dict[str, float]:
+    """{event_id: wall-clock time its handler ran}, once every expected event was handled."""
+    deadline = time.monotonic() + timeout
+    with psycopg.connect(settings.libpq_dsn) as conn:
+        while True:
+            rows = conn.execute(
+                f"SELECT event_id, extract(epoch FROM handled_at)::float8 FROM {TABLE}"
+            ).fetchall()
+            seen = {eid: float(at) for eid, at in rows}
+            if expect <= seen.keys() or time.monotonic() > deadline:
+                return seen
+            time.sleep(0.5)
+
+
+def pct(values: list[float]) -> tuple[float, float, float]:
+    values = sorted(values)
+    if not values:
+        return (float("nan"),) * 3
+    return values[len(values) // 2], values[int(len(values) * 0.99)], values[-1]
+
+
+def database_transactions(settings: OutboxSettings, dbname: str) -> int:
+    with psycopg.connect(_dsn(settings, "postgres"), autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT xact_commit + xact_rollback FROM pg_stat_database WHERE datname = %s",
+            (dbname,),
+        ).fetchone()
+    return int(row[0]) if row else 0
+
+
+def idle_cost(settings: OutboxSettings, dbname: str, pid: int, seconds: float) -> None:
+    """The relay's CPU and the database transactions per second with nothing to publish."""
+    time.sleep(2)
+    cpu0, tx0, t0 = cpu_seconds(pid), database_transactions(settings, dbname), time.monotonic()
+    time.sleep(seconds)
+    # PostgreSQL's statistics reach pg_stat_database up to a second late; the window is long.
+    cpu1, tx1, t1 = cpu_seconds(pid), database_transactions(settings, dbname), time.monotonic()
+    print(
+        f"  idle relay: {100 * (cpu1 - cpu0) / (t1 - t0):.2f}% of a core, "
+        f"{(tx1 - tx0) / (t1 - t0):.1f} transactions/s in its database ({seconds:.0f} s)"
+    )
+
+
+def one_run(
+    settings: OutboxSettings, dbname: str, exe: str, args: argparse.Namespace, logs: Path
+) -> Run:
+    topic = asyncio.run(
+        create_topic(settings, args.partitions, {"message.timestamp.type": "LogAppendTime"})
+    )
+    with psycopg.connect(settings.libpq_dsn, autocommit=True) as conn:
+        conn.execute(f"DROP TABLE IF EXISTS {TABLE}")
+        conn.execute(DDL)
+    env = relay_env(settings)
+    tag = uuid.uuid4().hex[:6]
+    relay = subprocess.Popen(
+        [exe, "--log-level", "WARNING", "relay"],
+        env=env,
+        stdout=(logs / f"relay-{tag}.log").open("wb"),
+        stderr=subprocess.STDOUT,
+    )
+    daemons = [relay]
+    # A busy host: CPU-bound processes beside the daemons (the same for every build).
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.busy)]
+    try:
+        wait_balanced(settings, 1)
+        if args.idle:
+            idle_cost(settings, dbname, relay.pid, args.idle)
+        if args.consumer:
+            consumer = subprocess.Popen(
+                [own_outbox(), "--log-level", "WARNING", "consume", "bench.steady_app:app"],
+                env={**env, "BENCH_STEADY_TOPIC": topic, "PYTHONPATH": str(Path.cwd())},
+                stdout=(logs / f"consumer-{tag}.log").open("wb"),
+                stderr=subprocess.STDOUT,
+            )
+            daemons.append(consumer)
+            time.sleep(4)  # joins its group and gets the partitions
+        spy = profile(relay.pid, args, logs / f"relay-{tag}.folded")
+        start_cpu = cpu_seconds(relay.pid)
+        committed = produce(settings, topic, args)
+        cpu = cpu_seconds(relay.pid) - start_cpu
+        if spy is not None:
+            spy.wait(30)
+            print(f"  profile of the relay: {logs / f'relay-{tag}.folded'}", flush=True)
+        appended = dict(asyncio.run(read_topic(settings, topic, len(committed))))
+        seen = handled(settings, set(committed)) if args.consumer else {}
+    finally:
+        for hog in busy:
+            hog.kill()
+        stop_relays(daemons)
+    since = max(committed.values()) - args.window
+    window = {e: at for e, at in committed.items() if at >= since}
+    lost = [e for e in window if e not in appended]
+    if lost:
+        raise RuntimeError(f"{len(lost)} events never reached Kafka; see {logs}")
+    relay_ms = pct([appended[e] - at * 1000 for e, at in window.items()])
+    e2e = pct([(seen[e] - at) * 1000 for e, at in window.items() if e in seen]) if seen else None
+    return Run(relay_ms, e2e, len(committed), cpu / len(committed) * 1e6, cpu / args.seconds)
+
+
+def show(name: str, run: Run) -> str:
+    r = run.relay
+    line = f"{name}: relay commit->append p50 {r[0]:5.1f} p99 {r[1]:6.1f} max {r[2]:6.0f} ms"
+    if run.e2e is not None:
+        e = run.e2e
+        line += f" | end to end p50 {e[0]:5.1f} p99 {e[1]:6.1f} max {e[2]:6.0f} ms"
+    return (
+        line + f" | relay CPU {run.cpu_us_per_event:.0f} us/event, {100 * run.cpu_share:.1f}% "
+        f"of a core ({run.events} events)"
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--rate", type=float, default=1000)
+    ap.add_argument("--seconds", type=float, default=60)
+    ap.add_argument("--window", type=float, default=40, help="seconds at the end measured")
+    ap.add_argument("--tick-ms", type=float, default=10, help="batched producer's period")
+    ap.add_argument("--single", action="store_true", help="one event per transaction")
+    ap.add_argument("--producers", type=int, default=1, help="producer processes")
+    ap.add_argument("--keys", type=int, default=500)
+    ap.add_argument("--partitions", type=int, default=6)
+    ap.add_argument("--consumer", action="store_true", help="end to end through outbox consume")
+    ap.add_argument("--busy", type=int, default=0, help="CPU-bound processes beside them")
+    ap.add_argument("--idle", type=float, default=0, help="first measure the idle relay")
+    ap.add_argument("--profile", action="store_true", help="py-spy the relay (needs py-spy)")
+    ap.add_argument(
+        "--vs",
+        metavar="[NAME=]OUTBOX",
+        action="append",
+        default=[],
+        help="another build's outbox executable (repeat for several builds)",
+    )
+    ap.add_argument("--pairs", type=int, default=3)
+    args = ap.parse_args()
+    args.window = min(args.window, args.seconds)
+
+    base = OutboxSettings()
+    dbname = f"bench_steady_{uuid.uuid4().hex[:6]}"
+    with psycopg.connect(_dsn(base, "postgres"), autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{dbname}"')
+    url = make_url(base.database_url.get_secret_value()).set(database=dbname)
+    settings = base.model_copy(
+        update={"database_url": type(base.database_url)(url.render_as_string(hide_password=False))}
+    )
+    logs = Path(tempfile.mkdtemp(prefix="bench-steady-"))
+    mode = f"{'one event' if args.single else f'{args.tick_ms:g} ms batches'} per transaction"
+    print(
+        f"steady {args.rate:,.0f} events/s, {mode}, {args.producers} producer process(es), "
+        f"{args.keys} keys, {args.partitions} partitions, {args.busy} busy process(es), "
+        f"{args.seconds:.0f} s (last "
+        f"{args.window:.0f} s measured); {os.cpu_count()} cores, loadavg "
+        f"{os.getloadavg()[0]:.2f}",
+        flush=True,
+    )
+    builds = [("this", own_outbox())] + [
+        tuple(v.split("=", 1)) if "=" in v else (f"other{i or ''}", v)
+        for i, v in enumerate(args.vs)
+    ]
+    runs: dict[str, list[Run]] = {name: [] for name, _ in builds}
+    try:
+        migrate.upgrade(settings)
+        for i in range(args.pairs if args.vs else 1):
+            # Alternate which build goes first: a drift in the machine's load then
+            # spreads over both sides.
+            for name, exe in builds if i % 2 == 0 else builds[::-1]:
+                run = one_run(settings, dbname, exe, args, logs)
+                runs[name].append(run)
+                print(show(f"  {name:5s}", run), flush=True)
+        summary = {}
+        for name, rs in runs.items():
+            med = {
+                "relay_p50_ms": statistics.median(r.relay[0] for r in rs),
+                "relay_p99_ms": statistics.median(r.relay[1] for r in rs),
+                "relay_cpu_us_per_event": statistics.median(r.cpu_us_per_event for r in rs),
+            }
+            if all(r.e2e is not None for r in rs):
+                med["e2e_p50_ms"] = statistics.median(r.e2e[0] for r in rs if r.e2e)
+                med["e2e_p99_ms"] = statistics.median(r.e2e[1] for r in rs if r.e2e)
+            summary[name] = med
+        print(json.dumps(summary))
+    finally:
+        with psycopg.connect(_dsn(base, "postgres"), autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{dbname}" WITH (FORCE)')
+        asyncio.run(delete_topics(base))
+        print(f"logs: {logs}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,70 @@
+"""Which of a relay's pipelines claim: one while the stream is light, all under a backlog.
+
+Every claim is a transaction and a Kafka request or more, whatever it carries. At a steady
+1,000 events/s, two pipelines each polling every ``min_poll_interval_seconds`` made ~400
+claims a second of ~2.5 events: 260 µs of relay CPU per event, a third more than the relay
+before its pipelines got producers of their own (bench/steady.py; with one pipeline 176
+µs, the same latency). On a busy host that CPU is queueing delay, in the tail first. So
+while claims come back small, the first pipeline claims every lane the relay owns and the
+others wait; a claim big enough to show a backlog (a quarter of ``batch_size``, or of the
+pipeline's byte share) wakes them, and each goes back to its own slice of the lanes until
+no claim has been big for ``BUSY_HOLD_SECONDS``.
+
+Overlap is safe: while the first pipeline's claim (on every lane) is in flight, another
+pipeline's claim on its slice finds those lanes fenced and skips them, exactly as during a
+lane rebalance between relays (relay/store.py, the claim fence).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+from outbox.settings import RelaySettings
+from relay.store import ClaimedRow, payload_bytes
+
+# How long the other pipelines keep claiming after the last big claim: a backlog drains in
+# big claims back to back, so a second without one means the stream is light again.
+BUSY_HOLD_SECONDS = 1.0
+
+
+class Crew:
+    """Shared by the pipelines of one relay (one event loop)."""
+
+    def __init__(self, settings: RelaySettings) -> None:
+        self._pipelines = settings.pipelines
+        # Each pipeline's share of the relay's memory budget (see RelayStore.claim).
+        self.claim_bytes = max(1, settings.max_inflight_bytes // settings.pipelines)
+        self._big_rows = max(1, settings.batch_size // 4)
+        self._big_bytes = max(1, self.claim_bytes // 4)
+        self._busy_until = -1e9
+        self._woken = asyncio.Event()
+
+    def busy(self) -> bool:
+        return asyncio.get_running_loop().time() < self._busy_until
+
+    def lanes(self, index: int, owned: Sequence[int]) -> list[int]:
+        """The lanes pipeline ``index`` claims now (sorted ``owned``): a slice each while
+        busy; all of them for the first pipeline, none for the others, while light."""
+        if self._pipelines == 1:
+            return list(owned)
+        if self.busy():
+            return list(owned[index :: self._pipelines])
+        return list(owned) if index == 0 else []
+
+    def claimed(self, rows: Sequence[ClaimedRow]) -> None:
+        """A claim took ``rows``: a big one keeps (or makes) every pipeline busy."""
+        if len(rows) >= self._big_rows or sum(map(payload_bytes, rows)) >= self._big_bytes:
+            self._busy_until = asyncio.get_running_loop().time() + BUSY_HOLD_SECONDS
+            self._woken.set()
+            self._woken.clear()  # wakes the current waiters; later ones wait for the next
+
+    async def wait_busy(self, within: float) -> None:
+        """For a pipeline with nothing to claim: until a big claim, at most ``within`` s."""
+        if self.busy():
+            return
+        waiter = asyncio.ensure_future(self._woken.wait())
+        try:
+            await asyncio.wait({waiter}, timeout=within)
+        finally:
+            waiter.cancel()
