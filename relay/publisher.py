@@ -552,15 +552,19 @@ class Publisher:
         if outcome.acked:
             self.last_ack = loop.time()
         self.health.report(self._partitions)
-        if (
-            self.health.unavailable
-            and (self._watcher is None or self._watcher.done())
-            and self.failure is None
-            and kafka_room.usable(kafka_room.METADATA)
-        ):
-            self._watcher = asyncio.ensure_future(self._watch_leaders())
-            supervise(self._watcher, "relay leader watch", log, self._watch_died)
+        if self.health.unavailable:
+            self._ensure_watch()
         return outcome
+
+    def _ensure_watch(self) -> None:
+        """Start the leader watch unless it runs — or died (a bug: logged at ERROR, and
+        /healthz fails until the relay is restarted), or this aiokafka cannot send its
+        metadata requests (said at start: stalls then wait for aiokafka's own retries)."""
+        running = self._watcher is not None and not self._watcher.done()
+        if running or self.failure is not None or not kafka_room.usable(kafka_room.METADATA):
+            return
+        self._watcher = asyncio.ensure_future(self._watch_leaders())
+        supervise(self._watcher, "relay leader watch", log, self._watch_died)
 
     async def _watch_leaders(self) -> None:
         """While partitions are stalled, ask Kafka how they stand (a client of its own,

@@ -280,3 +280,25 @@ async def test_a_coordinator_lookup_goes_to_the_broker_that_answered_last() -> N
     client.hung = {1, 2, 3}
     assert not await watch.refresh()  # nobody answers: any broker, none preferred
     assert {watch.pick() for _ in range(200)} == {1, 2, 3}
+
+
+async def test_a_background_task_that_dies_fails_the_consumers_health_loudly(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # The metadata watch, the committer, the sharer: a death is a bug, never unobserved.
+    import logging
+
+    daemon = _daemon()
+    daemon._running = True
+    assert daemon.healthy()
+
+    async def broken() -> None:
+        raise RuntimeError("a bug in the watch")
+
+    task = asyncio.ensure_future(broken())
+    task.add_done_callback(daemon._watch)
+    await asyncio.gather(task, return_exceptions=True)
+    await asyncio.sleep(0)
+    assert not daemon.healthy()
+    (error,) = [r for r in caplog.records if r.levelno == logging.ERROR]
+    assert "a bug in the watch" in error.getMessage() and error.exc_info is not None

@@ -200,3 +200,28 @@ async def test_a_background_task_that_dies_is_logged_at_error_and_fails_health(
     assert error.levelno == logging.ERROR
     assert "leader watch died" in error.getMessage() and "a bug" in error.getMessage()
     assert error.exc_info is not None  # the traceback, for the bug report
+
+
+async def test_a_leader_watch_that_dies_fails_the_relays_health_and_is_not_restarted(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    import logging
+
+    from relay.publisher import Publisher
+
+    publisher = Publisher(OutboxSettings())
+    starts: list[int] = []
+
+    async def broken() -> None:
+        starts.append(1)
+        raise KeyError("leader")  # an answer of a shape this code does not expect
+
+    publisher._watch_leaders = broken  # type: ignore[method-assign]
+    publisher._ensure_watch()
+    await asyncio.sleep(0.01)
+    assert publisher.failure is not None  # Relay.healthy() is False
+    publisher._ensure_watch()  # the next stall: not restarted into the same bug
+    await asyncio.sleep(0.01)
+    assert starts == [1]
+    (error,) = [r for r in caplog.records if r.levelno == logging.ERROR]
+    assert "relay leader watch died" in error.getMessage()
