@@ -20,6 +20,7 @@ against the installed aiokafka and a real broker.
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import logging
 from collections.abc import Callable, Sequence
@@ -286,21 +287,31 @@ class MetadataUnavailable(Exception):
 
 
 def abandon_queued(producer: Any, error: BaseException) -> bool:
-    """Fail every batch still queued in ``producer`` with ``error`` (aiokafka has no public
-    way; its accumulator's ``fail_all`` is what a dying sender uses). A batch that was
-    retried went back to the queue without its "in flight" mark, which the callback
-    clearing that mark expects to find: put it back first, or that callback raises in the
-    event loop. False when this aiokafka cannot (the caller waits for its stop instead)."""
+    """Fail every batch ``producer`` still holds, queued or in flight, with ``error``
+    (aiokafka has no public way; its accumulator's ``fail_all`` is what a dying sender
+    uses), so that its ``stop()`` no longer waits for them. The accumulator keeps an
+    "in flight" mark per batch, removed by a callback when the batch's future is done, and
+    aiokafka removes it itself when a request in flight fails and the batch is queued
+    again; each expects to find it (else a KeyError — the first one in the event loop, the
+    second kills the producer's sender, and aiokafka's handler for that raises
+    AttributeError: tracebacks at every stop during a broker hang). So a retried batch,
+    queued without its mark, gets it back before failing, and the batches in flight get
+    theirs back once the callbacks have run. False when this aiokafka cannot (the caller
+    waits for its stop instead)."""
     if not usable(ABANDON):
         return False
     try:
         queue = producer._message_accumulator
-        for batches in queue._batches.values():
-            queue._pending_batches.update(b for b in batches if b.retry_count)
+        queued = {b for batches in queue._batches.values() for b in batches}
+        in_flight = set(queue._pending_batches) - queued
+        queue._pending_batches.update(b for b in queued if b.retry_count)
         queue.fail_all(error)
     except AttributeError as exc:
         _lose(ABANDON, exc)
         return False
+    if in_flight:
+        # Callbacks run in the order they were scheduled: the marks' removal first.
+        asyncio.get_running_loop().call_soon(queue._pending_batches.update, in_flight)
     return True
 
 
