@@ -56,7 +56,8 @@ ABANDON = Capability(
     "abandon queued batches",
     "a retired or stopping producer waits up to the ack timeout for batches queued on a "
     "dead broker (its rows stay in the outbox)",
-    "AIOKafkaProducer._message_accumulator (_batches, _pending_batches, fail_all)",
+    "AIOKafkaProducer._message_accumulator (_batches, _pending_batches, fail_all), "
+    "MessageBatch (future, _drain_waiter)",
 )
 FETCH_WAIT = Capability(
     "fetch wait",
@@ -134,12 +135,13 @@ def _probe_metadata() -> str | None:
 
 
 def _probe_abandon() -> str | None:
-    from aiokafka.producer.message_accumulator import MessageAccumulator
+    from aiokafka.producer.message_accumulator import MessageAccumulator, MessageBatch
 
     return (
         _assigns(aiokafka.AIOKafkaProducer, "_message_accumulator")
         or _assigns(MessageAccumulator, "_batches", "_pending_batches")
         or _method(MessageAccumulator, "fail_all")
+        or _assigns(MessageBatch, "future", "_drain_waiter")
     )
 
 
@@ -305,6 +307,14 @@ def abandon_queued(producer: Any, error: BaseException) -> bool:
         queued = {b for batches in queue._batches.values() for b in batches}
         in_flight = set(queue._pending_batches) - queued
         queue._pending_batches.update(b for b in queued if b.retry_count)
+        for batch in queued | in_flight:
+            # fail_all sets ``error`` on two futures per batch that may have no reader: the
+            # batch's own (send_batch hands out a shield of it, and a caller cancelled while
+            # it waited — a relay stopping — took the shield's reader away) and the waiter
+            # for its drain (read only by a sender queueing behind it). Unread, asyncio
+            # prints "Future exception was never retrieved ... ProducerClosed" at exit.
+            batch.future.add_done_callback(_read_failure)
+            batch._drain_waiter.add_done_callback(_read_failure)
         queue.fail_all(error)
     except AttributeError as exc:
         _lose(ABANDON, exc)
@@ -313,6 +323,11 @@ def abandon_queued(producer: Any, error: BaseException) -> bool:
         # Callbacks run in the order they were scheduled: the marks' removal first.
         asyncio.get_running_loop().call_soon(queue._pending_batches.update, in_flight)
     return True
+
+
+def _read_failure(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()
 
 
 # ------------------------------------------------------------------------------ fetch wait

@@ -705,7 +705,8 @@ class Publisher:
             # Its answer is read below, unless this delivery is cancelled first (the relay
             # stopping, the loop closing) and the batch fails later — a retired producer's
             # batches fail with ProducerClosed when it is closed: read it anyway, or asyncio
-            # prints "Future exception was never retrieved" for each at exit.
+            # prints "Future exception was never retrieved" for each at exit. (The batch's
+            # own future, behind this shield, is read by kafka_room.abandon_queued.)
             future.add_done_callback(_observed)
             futures.append(future)
         results: list[BaseException | None] = []
