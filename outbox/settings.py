@@ -70,7 +70,9 @@ class RelaySettings(_Section):
         ge=1,
         le=16,
         description="Concurrent claim->publish->ack loops per relay, each on its own share "
-        "of the owned lanes (one claims while another waits for Kafka acks).",
+        "of the owned lanes under a backlog (one claims while another waits for Kafka acks); "
+        "while claims are small the first one claims every lane and the others wait, so a "
+        "light stream costs one claim per poll, not one per pipeline.",
     )
     poll_interval_seconds: float = Field(
         0.2, gt=0, description="Longest sleep between polls when the outbox is empty."
