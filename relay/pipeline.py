@@ -150,6 +150,7 @@ class Pipeline:
                 # a batch spent waiting for acks already counts towards it.
                 short = started + r.min_poll_interval_seconds - now
                 if claimed > 0:
+                    self._crew.settled(now - started)
                     last_rows, idle = now, r.min_poll_interval_seconds
                     if claimed < r.batch_size and short > 0:
                         await sleep_unless(stopping, short)

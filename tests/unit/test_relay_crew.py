@@ -76,3 +76,12 @@ async def test_one_pipeline_always_claims_every_lane() -> None:
     assert c.lanes(0, LANES) == LANES
     c.claimed(rows(100))
     assert c.lanes(0, LANES) == LANES
+
+
+async def test_a_slow_batch_gives_every_pipeline_its_own_slice() -> None:
+    c = crew(min_poll_interval_seconds=0.005)
+    c.settled(0.009)  # under two poll intervals: the first pipeline keeps up alone
+    assert not c.busy()
+    c.settled(0.011)
+    assert c.busy()
+    assert c.lanes(1, LANES) == [1, 3, 5, 7]
