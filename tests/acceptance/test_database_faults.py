@@ -22,7 +22,6 @@ import asyncio
 import base64
 import json
 import os
-import subprocess
 import threading
 import time
 import uuid
@@ -39,7 +38,7 @@ from outbox.db import sync_engine
 from outbox.dberrors import OUTAGE, trouble
 from outbox.settings import OutboxSettings
 from outbox.tables import build_tables
-from tests.acceptance.conftest import ROOT, Cli
+from tests.acceptance.conftest import ROOT, Cli, Daemons, relay_and_consumer
 from tests.support.inbox import ce_headers, effect_rows, effect_verdict, produce
 from tests.support.private_pg import PrivatePostgres, PrivatePostgresFailed, private_postgres
 
@@ -155,8 +154,7 @@ class Stream:
     topic: str
     group: str
     effects: str
-    logs: dict[str, Path]
-    daemons: dict[str, subprocess.Popen[bytes]]
+    daemons: Daemons
     producer: Producer
     direct: int = 0
 
@@ -187,15 +185,13 @@ class Stream:
         self.direct += count
 
     def log(self, name: str) -> str:
-        return self.logs[name].read_text(errors="replace")
+        return self.daemons.logs[name].read_text(errors="replace")
 
     def dump(self) -> str:
-        return "\n".join(f"--- {n}\n{self.log(n)[-4000:]}" for n in self.logs) + (
-            f"\n--- postgres\n{self.pg.log_tail()}"
-        )
+        return f"{self.daemons.dump()}\n--- postgres\n{self.pg.log_tail()}"
 
     def alive(self) -> bool:
-        return all(p.poll() is None for p in self.daemons.values())
+        return self.daemons.alive()
 
 
 @pytest.fixture
@@ -226,26 +222,12 @@ def stream(pg: PrivatePostgres, kafka_bootstrap: str, tmp_path: Path) -> Iterato
             ("OUTBOX_RETRY__CAP_SECONDS", "1"),
         ),
     )
-    ensured = cli("topics", "ensure", "--topic", f"{topic}:4", "--app", f"{module}:app")
-    assert ensured.returncode == 0, ensured.stdout + ensured.stderr
-    logs = {name: tmp_path / f"{name}.log" for name in ("relay", "consumer")}
-    daemons = {
-        "relay": cli.popen("relay", log=logs["relay"]),
-        "consumer": cli.popen("consume", f"{module}:app", log=logs["consumer"]),
-    }
     producer = Producer(settings, topic)
-    s = Stream(pg, settings, engine, topic, group, effects, logs, daemons, producer)
     try:
-        yield s
+        with relay_and_consumer(cli, f"{module}:app", topic, 4, tmp_path) as daemons:
+            yield Stream(pg, settings, engine, topic, group, effects, daemons, producer)
     finally:
         producer.stop.set()
-        for proc in daemons.values():
-            proc.terminate()
-        for proc in daemons.values():
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
         engine.dispose()
 
 

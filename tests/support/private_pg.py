@@ -16,7 +16,6 @@ from __future__ import annotations
 import errno
 import glob
 import os
-import pwd
 import shutil
 import subprocess
 import tempfile
@@ -29,8 +28,8 @@ from pathlib import Path
 import psycopg
 
 from tests.support.kafka import free_port
+from tests.support.pgbouncer import run_as
 
-_RUN_AS = "postgres"
 USER = "outbox"
 
 
@@ -151,20 +150,6 @@ class PrivatePostgres:
             return "(no log)"
 
 
-def _run_as(*paths: Path) -> str | None:
-    if os.geteuid() != 0:
-        return None
-    try:
-        owner = pwd.getpwnam(_RUN_AS)
-    except KeyError:
-        raise PrivatePostgresFailed(
-            f"PostgreSQL does not run as root and there is no {_RUN_AS!r} user to run it as"
-        ) from None
-    for path in paths:
-        os.chown(path, owner.pw_uid, owner.pw_gid)
-    return _RUN_AS
-
-
 @contextmanager
 def private_postgres(size_mb: int = 64) -> Iterator[PrivatePostgres]:
     """A started cluster on a ``size_mb`` MiB tmpfs; stopped, unmounted and removed
@@ -188,8 +173,8 @@ def private_postgres(size_mb: int = 64) -> Iterator[PrivatePostgres]:
         )
     pg: PrivatePostgres | None = None
     try:
-        run_as = _run_as(volume, work)
-        pg = PrivatePostgres(volume, work, free_port(), bindir, run_as)
+        user = run_as("PostgreSQL", PrivatePostgresFailed, volume, work)
+        pg = PrivatePostgres(volume, work, free_port(), bindir, user)
         made = pg._pg(
             "initdb", "-D", str(pg.data), "-U", USER, "--auth=trust", "--wal-segsize=1", "-N"
         )
