@@ -46,6 +46,15 @@ After a crash the records of the unfinished run are handled in careful mode, one
 transaction, so the event that kills the process is isolated and, after its attempts are
 used up, dead-lettered without running again.
 
+Database errors are judged by their SQLSTATE (``outbox/dberrors.py``) before a handler's
+rules, wherever they were raised (the claim, a handler's own INSERT, the commit): an
+outage rolls the transaction back and leaves :meth:`process` as ``DatabaseUnavailable`` (the
+lane backs off; no event is charged), and a conflict runs the event's attempt again at once.
+An attempt the database interrupted in careful mode left its marker armed, which would read
+as a crash once the database is back; the processor remembers it (:class:`_Interrupted`)
+and takes it up again as the same attempt. Fast-path runs need nothing more: a marker this
+process armed with one attempt and no error is already known as its own (``_mine``).
+
 Shared transaction (:func:`process_together`): when several partitions each have a small
 run ready at once, the per-transaction cost (claim, flush, commit; about all the CPU at a
 few events per run) is paid once for all of them. Each partition's marker must cover its
