@@ -15,11 +15,15 @@ import uuid
 from collections.abc import Awaitable, Callable
 
 import pytest
+from prometheus_client import CollectorRegistry
 from sqlalchemy import Engine, select, text
+from sqlalchemy.exc import OperationalError
 from sqlalchemy.ext.asyncio import AsyncSession
 
 import inbox
 from inbox.context import EventContext
+from outbox.effects import EffectNotFound, Effects
+from outbox.resilience import RetryPolicy
 from outbox.settings import OutboxSettings
 from outbox.tables import build_tables
 from tests.support.inbox import (
@@ -226,3 +230,35 @@ async def test_an_attempt_the_database_interrupted_is_the_same_attempt_afterward
     assert _inbox_attempts(engine, settings, app.name) == [2]
     assert list(effect_counts(engine, table).values()) == [1]
     assert database.outages >= 1
+
+
+def test_an_effect_whose_call_meets_a_full_disk_is_retried_never_parked_or_failed(
+    settings: OutboxSettings, engine: Engine
+) -> None:
+    """A call that writes to a database and meets a full disk (a real 53100 from a real
+    statement) did not apply: the ledger retries it under its policy and, when the disk
+    stays full, releases the key and raises the error, instead of parking the key as
+    ``unknown`` (no reconcile given) or storing it as ``failed``. The next caller with the
+    key calls again, once the disk has room."""
+    effects = Effects(
+        settings,
+        policy=RetryPolicy(base_seconds=0.01, cap_seconds=0.02, max_attempts=3),
+        registry=CollectorRegistry(),
+    )
+    key = f"test-{uuid.uuid4()}"
+    calls: list[str] = []
+
+    def full_disk(k: str) -> str:
+        calls.append(k)
+        with engine.connect() as conn:
+            conn.execute(text(_raise("53100", "could not extend file: No space left on device")))
+        return "never"
+
+    with pytest.raises(OperationalError) as raised:
+        effects.run(engine, key=key, call=full_disk, payload={"n": 1})
+    assert raised.value.orig is not None and raised.value.orig.sqlstate == "53100"
+    assert len(calls) == 3  # retried under the policy: it was not applied
+    with pytest.raises(EffectNotFound):
+        effects.get(engine, key)  # released: neither unknown nor failed
+    assert effects.run(engine, key=key, call=lambda k: "done", payload={"n": 1}) == "done"
+    assert effects.get(engine, key).state == "done"
