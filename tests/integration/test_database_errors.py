@@ -10,7 +10,10 @@ whole server are in tests/acceptance/test_database_faults.py.
 
 from __future__ import annotations
 
+import asyncio
 import json
+import threading
+import time
 import uuid
 from collections.abc import Awaitable, Callable
 
@@ -262,3 +265,60 @@ def test_an_effect_whose_call_meets_a_full_disk_is_retried_never_parked_or_faile
         effects.get(engine, key)  # released: neither unknown nor failed
     assert effects.run(engine, key=key, call=lambda k: "done", payload={"n": 1}) == "done"
     assert effects.get(engine, key).state == "done"
+
+
+async def test_a_real_deadlock_in_a_handler_is_run_again_without_an_attempt(
+    settings: OutboxSettings, engine: Engine, new_topic: NewTopic, kafka_bootstrap: str
+) -> None:
+    """A real deadlock: the handler locks row 1 then row 2, another transaction row 2 then
+    row 1. The handler waits first and the other transaction's deadlock check is set far
+    off, so PostgreSQL's check picks the handler's transaction as the victim (40P01). With
+    one attempt allowed, the event is applied, not dead-lettered."""
+    topic = await new_topic()
+    table = effects_table(engine)
+    locks = f"locks_{uuid.uuid4().hex[:8]}"
+    with engine.begin() as conn:
+        conn.execute(text(f"CREATE TABLE {locks} (id int PRIMARY KEY)"))
+        conn.execute(text(f"INSERT INTO {locks} VALUES (1), (2)"))
+    side_holds, handler_waits = threading.Event(), threading.Event()
+    side_errors: list[BaseException] = []
+
+    def other_transaction() -> None:
+        try:
+            with engine.begin() as conn:
+                conn.execute(text("SET LOCAL deadlock_timeout = '20s'"))
+                conn.execute(text(f"SELECT id FROM {locks} WHERE id = 2 FOR UPDATE"))
+                side_holds.set()
+                handler_waits.wait(10)
+                time.sleep(0.3)  # the handler is waiting for row 2 by now
+                conn.execute(text(f"SELECT id FROM {locks} WHERE id = 1 FOR UPDATE"))
+        except BaseException as exc:
+            side_errors.append(exc)
+
+    app = inbox.Consumer(name=f"dberr-{uuid.uuid4().hex[:8]}", topics=[topic])
+    errors: list[str] = []
+
+    @app.handler("test.event", max_attempts=1)
+    async def handle(event: inbox.InboxEvent, session: AsyncSession) -> None:
+        first = not errors and not side_holds.is_set()
+        try:
+            if first:
+                await session.execute(text(f"SELECT id FROM {locks} WHERE id = 1 FOR UPDATE"))
+                threading.Thread(target=other_transaction, daemon=True).start()
+                await asyncio.to_thread(side_holds.wait, 10)
+                handler_waits.set()
+                await session.execute(text(f"SELECT id FROM {locks} WHERE id = 2 FOR UPDATE"))
+        except Exception as exc:
+            errors.append(getattr(getattr(exc, "orig", None), "sqlstate", None) or repr(exc))
+            raise
+        await session.execute(
+            text(f"INSERT INTO {table} (event_id, seq) VALUES (:e, 0)"), {"e": event.event_id}
+        )
+
+    await produce(kafka_bootstrap, topic, _records(1))
+    async with RunningConsumer(app, fast_settings(settings)) as c:
+        await wait_for(lambda: _finished(c) >= 1, what="applied or dead-lettered")
+    assert errors == ["40P01"] and side_errors == []
+    assert c.metrics.counts["dead_lettered"] == 0 and c.metrics.counts["retries"] == 0
+    assert _inbox_attempts(engine, settings, app.name) == [1]
+    assert list(effect_counts(engine, table).values()) == [1]
