@@ -67,6 +67,7 @@ from sqlalchemy.sql import Executable
 from outbox import tracing
 from outbox.canonical import idempotency_key, sha256_hex
 from outbox.db import translated_errors
+from outbox.dberrors import is_outage
 from outbox.effects.classify import Classifier, EffectClass, classifier
 from outbox.effects.errors import (
     EffectConflict,
@@ -464,6 +465,11 @@ class Effects:
             answer = yield _RECONCILE
         except Exception as exc:
             self.metrics.reconciliations.labels("error").inc()
+            if is_outage(exc):
+                # The database could not answer: that says nothing about the effect, so
+                # the key is not parked. Its record stays pending under its lease (nothing
+                # of this transaction commits); the next caller reconciles again.
+                raise
             detail = f"reconcile failed: {describe(exc)}"
             yield _Sql(store.mark_unknown, store.error_params(e.key, detail))
             yield _COMMIT

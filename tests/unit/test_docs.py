@@ -386,3 +386,12 @@ def test_retriable_is_read_from_the_classes() -> None:
     assert reference.retriable(BrokerUnavailable) == "yes"
     assert reference.retriable(SchemaMissing) == "no"
     assert reference.retriable(HttpStatusError) == "by instance"
+
+
+def test_the_error_reference_renders_the_sqlstate_table() -> None:
+    from outbox.dberrors import SQLSTATES
+
+    page = reference.database_errors_markdown()
+    for code, (_kind, meaning) in SQLSTATES.items():
+        assert f"`{code}`" in page and meaning.replace("|", "\\|") in page, code
+    assert "<!-- generated: database-errors -->" in (ROOT / "docs/reference/errors.md").read_text()
