@@ -43,6 +43,7 @@ async def overview(console: Console, request: Request) -> Response:
         days=[(d, letters.get(d, 0), failed.get(d, 0)) for d in days],
         unknown=unknown,
         chart=console.sampler.chart(),
+        sample_seconds=settings.console.sample_seconds,
     )
 
 

@@ -36,6 +36,7 @@ class Chart:
     lag_points: str
     max_value: int
     samples: int
+    span_seconds: float
 
 
 class Sampler:
@@ -56,10 +57,12 @@ class Sampler:
         now = time.time() if now is None else now
         shown = [s for s in self._samples if s.at >= now - WINDOW_SECONDS]
         top = max([1, *(s.pending for s in shown), *(s.consumer_lag or 0 for s in shown)])
+        # The x axis spans what was sampled (a fresh console has minutes, not an hour).
+        span = min(WINDOW_SECONDS, max(60.0, now - shown[0].at if shown else 0.0))
 
         def points(values: list[tuple[float, int]]) -> str:
             return " ".join(
-                f"{width * (1 - (now - at) / WINDOW_SECONDS):.1f},{height - height * v / top:.1f}"
+                f"{width * (1 - (now - at) / span):.1f},{height - height * v / top:.1f}"
                 for at, v in values
             )
 
@@ -70,6 +73,7 @@ class Sampler:
             points([(s.at, s.consumer_lag) for s in shown if s.consumer_lag is not None]),
             top,
             len(shown),
+            span,
         )
 
     async def run(self, engine: AsyncEngine, settings: OutboxSettings, every: float) -> None:

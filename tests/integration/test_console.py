@@ -139,7 +139,10 @@ async def scenario(csettings: OutboxSettings, cengine: Engine, services: Endpoin
 def consoles(csettings: OutboxSettings) -> Iterator[dict[str, str]]:
     """Two consoles over the same tables: one with --allow-actions, one read-only."""
     with (
-        console_process(csettings, "--allow-actions") as (rw, _),
+        console_process(csettings, "--allow-actions", OUTBOX_CONSOLE__SAMPLE_SECONDS="1") as (
+            rw,
+            _,
+        ),
         console_process(csettings) as (ro, _),
     ):
         yield {"rw": rw, "ro": ro}
@@ -171,8 +174,8 @@ async def page(browser: Browser) -> AsyncIterator[Page]:
     await context.close()
 
 
-async def shot(page: Page, name: str) -> None:
-    await page.screenshot(path=str(SHOTS / f"{name}.png"), full_page=False)
+async def shot(page: Page, name: str, full: bool = False) -> None:
+    await page.screenshot(path=str(SHOTS / f"{name}.png"), full_page=full)
 
 
 async def test_overview_shows_the_real_backlog_and_consumer_lag(
@@ -183,7 +186,7 @@ async def test_overview_shows_the_real_backlog_and_consumer_lag(
     row = page.locator("#consumers tr", has_text=scenario.app.name)
     assert await row.locator("td.lag").inner_text() == "4"
     assert "invoices" in await page.inner_text("#topics")
-    await shot(page, "overview")
+    await shot(page, "overview", full=True)
 
 
 async def test_dead_letter_from_a_failing_handler_is_grouped_opened_and_replayed_once(

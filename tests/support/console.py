@@ -100,7 +100,11 @@ def console_process(
 ) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
     """``outbox console ARGS`` on a free port (its base URL), stopped at the end."""
     port = free_port()
-    extra = {"OUTBOX_TABLE_PREFIX": settings.table_prefix, **env}
+    extra = {
+        "OUTBOX_TABLE_PREFIX": settings.table_prefix,
+        "OUTBOX_DB_SCHEMA": settings.db_schema,
+        **env,
+    }
     proc = subprocess.Popen(
         [sys.executable, "-m", "cli", "console", "--port", str(port), *args],
         env=subprocess_env(settings, **extra),
