@@ -21,10 +21,10 @@ import ipaddress
 import logging
 import secrets
 
-from prometheus_client import Counter
 from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from outbox.console.metrics import ConsoleMetrics
 from outbox.errors import ConfigurationError
 from outbox.settings import OutboxSettings
 
@@ -43,16 +43,6 @@ HEADERS = [
 ]
 
 audit_log = logging.getLogger("outbox.console.audit")
-ACTIONS = Counter(
-    "outbox_console_actions_total",
-    "Actions taken in the console, by action (replay, purge, retry, discard, resolve...).",
-    ["action"],
-)
-ACTION_ITEMS = Counter(
-    "outbox_console_action_items_total",
-    "Items (dead letters, failed rows, effects) the console's actions touched.",
-    ["action"],
-)
 
 
 def is_loopback(host: str) -> bool:
@@ -76,7 +66,8 @@ def check_bind(host: str, settings: OutboxSettings) -> None:
 class Guard:
     """Authentication and CSRF checks of one console process."""
 
-    def __init__(self, settings: OutboxSettings) -> None:
+    def __init__(self, settings: OutboxSettings, metrics: ConsoleMetrics) -> None:
+        self.metrics = metrics
         token = settings.console.token
         self._token = token.get_secret_value().encode() if token is not None else None
         self.who = settings.console.token_name if token is not None else "local"
@@ -107,8 +98,8 @@ class Guard:
 
     def audit(self, action: str, items: int, what: str) -> None:
         """One line per action: who (the token's name), what, how many."""
-        ACTIONS.labels(action).inc()
-        ACTION_ITEMS.labels(action).inc(items)
+        self.metrics.actions.labels(action).inc()
+        self.metrics.items.labels(action).inc(items)
         audit_log.warning(
             "console action by=%s action=%s items=%d %s", self.who, action, items, what
         )

@@ -9,6 +9,7 @@ from typing import Any
 from urllib.parse import parse_qs, urlencode
 
 from jinja2 import Environment, PackageLoader
+from prometheus_client import CollectorRegistry
 from sqlalchemy import Engine
 from sqlalchemy.ext.asyncio import AsyncEngine
 from starlette.concurrency import run_in_threadpool
@@ -16,6 +17,7 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse
 
 from outbox.console.filters import BadFilter
+from outbox.console.metrics import ConsoleMetrics
 from outbox.console.ports import Backends
 from outbox.console.sampler import Sampler
 from outbox.console.security import Guard
@@ -49,7 +51,8 @@ class Console:
         self.settings = settings
         self.backends = backends
         self.allow_actions = allow_actions
-        self.guard = Guard(settings)
+        self.metrics = ConsoleMetrics(CollectorRegistry())
+        self.guard = Guard(settings, self.metrics)
         self.sampler = Sampler()
         self.effects = Effects(settings)
         self.aengine: AsyncEngine = async_engine(settings)

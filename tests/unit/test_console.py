@@ -6,12 +6,14 @@ from __future__ import annotations
 import datetime as dt
 from typing import Any
 
+import httpx
 import pytest
+from prometheus_client import CollectorRegistry
 from pydantic import SecretStr
-from starlette.testclient import TestClient
 
 from outbox.console import Backends, FailedRows, check_bind, create_app
 from outbox.console.filters import BadFilter, DeadLetterQuery, letter_key, read_keys
+from outbox.console.metrics import ConsoleMetrics
 from outbox.console.sampler import Sampler
 from outbox.console.security import Guard
 from outbox.console.state import scrub
@@ -27,14 +29,15 @@ class NoDeadLetters:
         raise AssertionError(f"the store was called ({name}) behind a guard")
 
 
-def _app(token: str | None = None, allow_actions: bool = True) -> TestClient:
+def _app(token: str | None = None, allow_actions: bool = True) -> httpx.AsyncClient:
     settings = OutboxSettings(
         console=ConsoleSettings(token=SecretStr(token) if token else None, token_name="alice")
     )
     failed = FailedRows(list=lambda t, n: ([], 0), retry=lambda ids: [], discard=lambda ids: [])
     backends = Backends(NoDeadLetters(), failed)  # type: ignore[arg-type]
-    # No `with`: the lifespan (the lag sampler) would reach for the database.
-    return TestClient(create_app(settings, backends, allow_actions=allow_actions))
+    # The lifespan (the lag sampler) does not run: it would reach for the database.
+    app = create_app(settings, backends, allow_actions=allow_actions)
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://127.0.0.1")
 
 
 @pytest.mark.parametrize("host", ["127.0.0.1", "localhost", "::1", "127.0.0.2"])
@@ -49,50 +52,57 @@ def test_anything_else_needs_a_token(host: str) -> None:
     check_bind(host, OutboxSettings(console=ConsoleSettings(token=SecretStr("t"))))
 
 
-def test_with_a_token_pages_need_it_and_the_login_sets_a_cookie_that_is_not_the_token() -> None:
+async def test_with_a_token_pages_need_it_and_the_login_sets_a_cookie_that_is_not_the_token() -> (
+    None
+):
     client = _app(token="s3cret-token")
-    assert client.get("/healthz").text == "ok"  # probes need no token
-    anonymous = client.get("/dead-letters", follow_redirects=False)
+    assert (await client.get("/healthz")).text == "ok"  # probes need no token
+    anonymous = await client.get("/dead-letters")
     assert anonymous.status_code == 303 and anonymous.headers["location"] == "/login"
-    assert client.post("/login", data={"token": "wrong"}).status_code == 401
-    ok = client.post("/login", data={"token": "s3cret-token"}, follow_redirects=False)
+    assert (await client.post("/login", data={"token": "wrong"})).status_code == 401
+    ok = await client.post("/login", data={"token": "s3cret-token"})
     assert ok.status_code == 303
     cookie = ok.headers["set-cookie"]
     assert "s3cret-token" not in cookie and "httponly" in cookie.lower()
     assert "samesite=strict" in cookie.lower()
-    guard = Guard(OutboxSettings(console=ConsoleSettings(token=SecretStr("s3cret-token"))))
+    guard = Guard(
+        OutboxSettings(console=ConsoleSettings(token=SecretStr("s3cret-token"))), _metrics()
+    )
     assert guard.session_value() in cookie
 
 
-def test_action_posts_need_the_token_then_the_csrf_token() -> None:
+async def test_action_posts_need_the_token_then_the_csrf_token() -> None:
     client = _app(token="tok")
     form = {"action": "purge", "scope": "filtered", "consumer": "c", "confirmed": "yes"}
-    assert client.post("/dead-letters/action", data=form).status_code == 401
+    assert (await client.post("/dead-letters/action", data=form)).status_code == 401
     bearer = {"Authorization": "Bearer tok"}
-    refused = client.post("/dead-letters/action", data=form, headers=bearer)
+    refused = await client.post("/dead-letters/action", data=form, headers=bearer)
     assert refused.status_code == 403 and "CSRF" in refused.text
 
 
-def test_read_only_refuses_actions_before_reading_the_form() -> None:
+async def test_read_only_refuses_actions_before_reading_the_form() -> None:
     client = _app(allow_actions=False)
-    refused = client.post("/failed/action", data={"action": "retry", "id": "1"})
+    refused = await client.post("/failed/action", data={"action": "retry", "id": "1"})
     assert refused.status_code == 403 and "read-only" in refused.text
 
 
-def test_every_response_carries_the_security_headers() -> None:
+async def test_every_response_carries_the_security_headers() -> None:
     client = _app()
     for path in ("/healthz", "/static/console.css", "/login", "/nowhere"):
-        headers = client.get(path).headers
+        headers = (await client.get(path)).headers
         assert "default-src 'none'" in headers["content-security-policy"], path
         assert headers["x-content-type-options"] == "nosniff"
 
 
 def test_the_audit_line_names_the_token_holder(caplog: pytest.LogCaptureFixture) -> None:
-    guard = Guard(OutboxSettings(console=ConsoleSettings(token=SecretStr("t"), token_name="bob")))
+    settings = OutboxSettings(console=ConsoleSettings(token=SecretStr("t"), token_name="bob"))
+    guard = Guard(settings, _metrics())
     guard.audit("dlq.purge", 50, "scope=group")
     [line] = [r.getMessage() for r in caplog.records if r.name == "outbox.console.audit"]
     assert line == "console action by=bob action=dlq.purge items=50 scope=group"
-    assert Guard(OutboxSettings()).who == "local"
+    assert Guard(OutboxSettings(), _metrics()).who == "local"
+    assert guard.metrics.actions.labels("dlq.purge")._value.get() == 1  # type: ignore[attr-defined]
+    assert guard.metrics.items.labels("dlq.purge")._value.get() == 50  # type: ignore[attr-defined]
 
 
 def test_filters_read_times_as_utc_and_refuse_nonsense() -> None:
@@ -130,3 +140,7 @@ def test_the_chart_keeps_one_hour_and_scales_to_the_largest_value() -> None:
     assert chart.pending_points.split()[-1] == "100.0,0.0"  # newest at the right, at the top
     sampler.add(LagReport(taken_at=dt.datetime.now(dt.UTC), mode="delete", lanes=1), at=t0 + 7200)
     assert len(sampler.samples) == 1  # older than an hour: dropped
+
+
+def _metrics() -> ConsoleMetrics:
+    return ConsoleMetrics(CollectorRegistry())
