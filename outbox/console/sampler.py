@@ -58,7 +58,7 @@ class Sampler:
         shown = [s for s in self._samples if s.at >= now - WINDOW_SECONDS]
         top = max([1, *(s.pending for s in shown), *(s.consumer_lag or 0 for s in shown)])
         # The x axis spans what was sampled (a fresh console has minutes, not an hour).
-        span = min(WINDOW_SECONDS, max(60.0, now - shown[0].at if shown else 0.0))
+        span = min(WINDOW_SECONDS, max(1.0, now - shown[0].at if shown else 0.0))
 
         def points(values: list[tuple[float, int]]) -> str:
             return " ".join(

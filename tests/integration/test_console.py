@@ -209,7 +209,7 @@ async def test_dead_letter_from_a_failing_handler_is_grouped_opened_and_replayed
     assert len(await page.inner_text("#letter")) > 0
     event_id = await page.locator("#letter tr", has_text="event id").locator("td").inner_text()
     assert event_id in scenario.bad
-    await shot(page, "dead-letter")
+    await shot(page, "dead-letter", full=True)
 
     # The fix is deployed: the handler accepts the order now. The consumer runs again (and
     # catches up on the 4 records it had not read).

@@ -121,6 +121,7 @@ _NOT_SETTINGS = {
     "OUTBOX_SERVICES",
     "OUTBOX_SERVICES_DIR",
     "OUTBOX_SECURE_KAFKA_PASSWORD",
+    "OUTBOX_CONSOLE_TOKEN",  # docker-compose.yml's variable for the console's token
 }
 
 
