@@ -22,7 +22,7 @@ from sqlalchemy.orm import Session
 
 import inbox
 from inbox import DeadLetterFilter, DeadLetters
-from outbox import Message, Outbox, migrate
+from outbox import Message, Outbox
 from outbox.db import sync_engine
 from outbox.settings import OutboxSettings
 from tests.support.console import CHROMIUM_ARGS, chromium, console_process, seed_dead_letters
@@ -39,6 +39,7 @@ from tests.support.inbox import (
 )
 from tests.support.kafka import create_topic
 from tests.support.services import Endpoints
+from tests.support.tables import own_tables
 
 pytestmark = pytest.mark.integration
 SHOTS = ROOT / "docs" / "assets" / "console"
@@ -67,9 +68,7 @@ class Scenario:
 @pytest.fixture(scope="module")
 def csettings(base_settings: OutboxSettings) -> OutboxSettings:
     """Tables of their own: the console shows every row of its tables."""
-    s = base_settings.model_copy(update={"table_prefix": f"c{uuid.uuid4().hex[:8]}_"})
-    migrate.upgrade(s)
-    return s
+    return own_tables(base_settings, "c")
 
 
 @pytest.fixture(scope="module")
