@@ -5,6 +5,7 @@ The screenshots of docs/howto/console.md are taken here (docs/assets/console/)."
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import subprocess
 import sys
@@ -15,8 +16,9 @@ from dataclasses import dataclass
 import httpx
 import pytest
 from playwright.async_api import Browser, Page, async_playwright
+from prometheus_client import CollectorRegistry
 from pydantic import BaseModel
-from sqlalchemy import Engine, text
+from sqlalchemy import Engine, func, insert, select, text
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Session
 
@@ -24,7 +26,9 @@ import inbox
 from inbox import DeadLetterFilter, DeadLetters
 from outbox import Message, Outbox
 from outbox.db import sync_engine
+from outbox.effects import Ambiguous, EffectOutcomeUnknown, Effects
 from outbox.settings import OutboxSettings
+from outbox.tables import build_tables
 from tests.support.console import CHROMIUM_ARGS, chromium, console_process, seed_dead_letters
 from tests.support.inbox import (
     ROOT,
@@ -337,3 +341,62 @@ def test_pages_carry_a_content_security_policy_and_no_secret(
         assert response.status_code == 200, path
         assert "script-src 'self'" in response.headers["content-security-policy"]
         assert url not in response.text and "postgresql+psycopg://" not in response.text, path
+
+
+async def test_an_unknown_effect_is_given_up_and_a_failed_row_retried_from_the_pages(
+    csettings: OutboxSettings, consoles: dict[str, str], page: Page, cengine: Engine
+) -> None:
+    effects = Effects(csettings, registry=CollectorRegistry())
+    key = f"refund-{uuid.uuid4().hex[:8]}"
+
+    def lost_answer(k: str) -> None:
+        raise Ambiguous("read timed out after the request was sent")
+
+    with pytest.raises(EffectOutcomeUnknown):
+        effects.run(cengine, key=key, call=lost_answer, dependency="payments")
+    await page.goto(f"{consoles['rw']}/effects?state=unknown")
+    await page.get_by_role("link", name=key).click()
+    await page.get_by_role("button", name="Give up").click()
+    await page.click("#confirm")
+    await page.wait_for_selector(".done")
+    record = effects.get(cengine, key)
+    assert record.state == "failed" and record.error is not None
+    assert record.error["type"] == "GivenUp"
+
+    failed = build_tables(csettings).failed
+    ids = [900_001, 900_002]
+    with cengine.begin() as conn:
+        conn.execute(
+            insert(failed),
+            [
+                {
+                    "id": i,
+                    "event_id": uuid.uuid4(),
+                    "topic": "gone-topic",
+                    "key": b"k",
+                    "lane": 0,
+                    "event_type": "invoice.due",
+                    "source": "urn:test",
+                    "content_type": "application/json",
+                    "payload": b"{}",
+                    "fingerprint": b"f",
+                    "headers": {},
+                    "created_at": dt.datetime.now(dt.UTC),
+                    "attempts": 5,
+                    "last_error": "UnknownTopicOrPartitionError",
+                }
+                for i in ids
+            ],
+        )
+    await page.goto(f"{consoles['rw']}/failed?topic=gone-topic")
+    await page.locator(f"#failed input[value='{ids[0]}']").check()
+    await page.get_by_role("button", name="Retry selected").click()
+    assert await page.inner_text("h1") == "Retry 1 failed outbox row?"
+    await page.click("#confirm")
+    await page.wait_for_selector(".done")
+    assert "retry 1" in await page.inner_text(".done")
+    with cengine.connect() as conn:
+        left = conn.execute(select(failed.c.id)).scalars().all()
+        events = build_tables(csettings).events
+        back = conn.execute(select(func.count()).where(events.c.topic == "gone-topic")).scalar_one()
+    assert ids[0] not in left and ids[1] in left and back == 1
