@@ -1,6 +1,6 @@
-"""The console's Starlette application: its state, the guards every route goes through,
-and the route table. The pages are in ``pages.py``, the actions in ``actions.py``; neither
-holds SQL: they call the same functions the CLI calls."""
+"""The console's Starlette application: the guards every route goes through and the route
+table. What requests share is in ``state.py``, the pages in ``pages.py``, the actions in
+``actions.py``; none holds SQL: they call the same functions the CLI calls."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from pathlib import Path
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
+from starlette.middleware.trustedhost import TrustedHostMiddleware
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse, RedirectResponse, Response
 from starlette.routing import Mount, Route
@@ -21,7 +22,7 @@ from starlette.staticfiles import StaticFiles
 from outbox.console import actions, pages
 from outbox.console.filters import BadFilter
 from outbox.console.ports import Backends
-from outbox.console.security import SESSION_COOKIE, SecurityHeaders
+from outbox.console.security import LOOPBACK_HOSTS, SESSION_COOKIE, SecurityHeaders
 from outbox.console.state import Console, Form, console_of, first, read_form
 from outbox.errors import NotFound, OutboxError
 from outbox.settings import OutboxSettings
@@ -38,7 +39,8 @@ def _failure(console: Console, request: Request, exc: Exception) -> Response:
         return console.error(request, 404, str(exc))
     # A framework error says what failed in one line, without DSNs or SQL (errors.py).
     log.warning("console request failed: %s: %s", type(exc).__name__, exc)
-    return console.error(request, 503 if exc.__class__.retriable else 409, f"{exc}")  # type: ignore[attr-defined]
+    retriable = isinstance(exc, OutboxError) and exc.retriable  # e.g. the database is down
+    return console.error(request, 503 if retriable else 409, str(exc))
 
 
 def page(fn: Handler) -> Callable[[Request], Awaitable[Response]]:
@@ -135,6 +137,12 @@ def create_app(settings: OutboxSettings, backends: Backends, *, allow_actions: b
         Route("/effects/action", action(actions.effects), methods=["POST"]),
         Mount("/static", StaticFiles(directory=Path(__file__).parent / "static"), name="static"),
     ]
-    app = Starlette(routes=routes, middleware=[Middleware(SecurityHeaders)], lifespan=lifespan)
+    middleware = [Middleware(SecurityHeaders)]
+    if not console.guard.required:
+        # Without a token the console trusts whoever reaches it, which must then be this
+        # machine: a page elsewhere could otherwise point its own name at 127.0.0.1 (DNS
+        # rebinding) and read the console as same-origin. Loopback names only.
+        middleware.append(Middleware(TrustedHostMiddleware, allowed_hosts=LOOPBACK_HOSTS))
+    app = Starlette(routes=routes, middleware=middleware, lifespan=lifespan)
     app.state.console = console
     return app

@@ -2,7 +2,8 @@
 the response headers, and the audit trail of every action.
 
 * Bound to loopback it needs no token (whoever can reach it is on the machine); bound to
-  anything else it refuses to start without ``console.token``.
+  anything else it refuses to start without ``console.token``. Without a token it answers
+  loopback ``Host`` headers only (a DNS-rebinding page cannot read it as same-origin).
 * With a token, every page needs it: ``Authorization: Bearer <token>``, or the session
   cookie the login form sets (an HMAC of the token, so the cookie is not the token itself).
   Comparisons use :func:`hmac.compare_digest`.
@@ -29,6 +30,8 @@ from outbox.errors import ConfigurationError
 from outbox.settings import OutboxSettings
 
 LOOPBACK_NAMES = {"localhost"}
+# Host headers a console without a token answers (the port is not part of the match).
+LOOPBACK_HOSTS = ["127.0.0.1", "localhost", "[::1]", "::1"]
 SESSION_COOKIE = "outbox_console"
 CSP = (
     "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; "

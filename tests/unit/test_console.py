@@ -144,3 +144,12 @@ def test_the_chart_keeps_one_hour_and_scales_to_the_largest_value() -> None:
 
 def _metrics() -> ConsoleMetrics:
     return ConsoleMetrics(CollectorRegistry())
+
+
+async def test_without_a_token_only_loopback_host_names_are_answered() -> None:
+    client = _app()
+    assert (await client.get("/healthz")).status_code == 200
+    rebound = await client.get("/healthz", headers={"Host": "evil.example:8090"})
+    assert rebound.status_code == 400
+    with_token = _app(token="t")
+    assert (await with_token.get("/healthz", headers={"Host": "console.internal"})).text == "ok"
