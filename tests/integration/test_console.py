@@ -1,12 +1,15 @@
 """The operator console in a real headless Chromium, against the console run as the CLI
 runs it, over real PostgreSQL and Kafka (dead letters from a real failing consumer).
 
-The screenshots of docs/howto/console.md are taken here (docs/assets/console/)."""
+The screenshots of docs/howto/console.md are taken here: into .screenshots/console/ (ignored
+by git) on every run, into docs/assets/console/ with OUTBOX_TEST_SCREENSHOTS=docs, so that a
+test run leaves the working tree clean and the docs change only when asked to."""
 
 from __future__ import annotations
 
 import datetime as dt
 import json
+import os
 import subprocess
 import sys
 import uuid
@@ -46,7 +49,11 @@ from tests.support.services import Endpoints
 from tests.support.tables import own_tables
 
 pytestmark = pytest.mark.integration
-SHOTS = ROOT / "docs" / "assets" / "console"
+SHOTS = (
+    ROOT / "docs" / "assets" / "console"
+    if os.environ.get("OUTBOX_TEST_SCREENSHOTS") == "docs"
+    else ROOT / ".screenshots" / "console"
+)
 
 
 class Order(BaseModel):
@@ -178,6 +185,7 @@ async def page(browser: Browser) -> AsyncIterator[Page]:
 
 
 async def shot(page: Page, name: str, full: bool = False) -> None:
+    SHOTS.mkdir(parents=True, exist_ok=True)
     await page.screenshot(path=str(SHOTS / f"{name}.png"), full_page=full)
 
 
