@@ -13,8 +13,9 @@ neither happened for ``BUSY_HOLD_SECONDS``:
   byte share): throughput needs one pipeline claiming while another waits for Kafka;
 * a batch that took longer than two poll intervals, claim to commit: rows committed
   meanwhile wait for the next claim, and a second pipeline claiming half of the lanes
-  during that wait is what keeps latency down on a busy host (with the first pipeline
-  alone, a host busy with other work saw the relay's p99 at 90-150 ms instead of 15-45).
+  during that wait may keep the tail down on a busy host (in runs on a host loaded by other
+  jobs, the first pipeline alone had the worst p99 of three builds in 4 runs of 5: 59-147
+  ms against 15-45; noisy figures, so this errs on the side of the old behaviour).
 
 Overlap is safe: while the first pipeline's claim (on every lane) is in flight, another
 pipeline's claim on its slice finds those lanes fenced and skips them, exactly as during a
