@@ -151,9 +151,7 @@ class RelaySettings(_Section):
 HOSTNAME_FIELD = "{hostname}"
 # Kafka takes any string as a group instance id; a template is checked against this so that
 # a mistyped field (`{host}`, a lone brace) or a space is refused before anything starts.
-_INSTANCE_ID_CHARS = frozenset(
-    "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-"
-)
+_INSTANCE_ID_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
 _INSTANCE_ID_MAX = 249  # like a topic name: fits in logs, metrics and Kafka's tools
 
 

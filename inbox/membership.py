@@ -1,0 +1,183 @@
+"""Static group membership (KIP-345): a consumer that returns under the same
+``group_instance_id`` within its session timeout triggers no rebalance.
+
+aiokafka (0.14) sends no LeaveGroup on ``stop()`` when an instance id is set, so a clean
+SIGTERM keeps the member's partitions parked, unread, until the same id joins again (or
+the session times out and Kafka rebalances). What this module adds:
+
+* the consumer options: the instance id (``{hostname}`` resolved), the static session
+  timeout, and the rebalance timeout kept at the dynamic session's 10 s (aiokafka defaults
+  it to the session timeout: a rebalance would then wait up to 45 s for a member that
+  is gone);
+* the brokers' bounds for the session timeout, read at start with the admin client, so
+  that a refusal is one line naming the setting instead of a failed join;
+* telling a duplicate id. Measured on Kafka 4.1 with aiokafka 0.14: when a second live
+  process joins with an id already in use, Kafka gives it the member (same generation, no
+  rebalance); aiokafka's heartbeat and offset commit requests are too old to carry the
+  instance id, so the first process hears UNKNOWN_MEMBER_ID, silently joins again and takes
+  the member back — and so on, both consuming every partition of that member in turn. Only
+  a JoinGroup or SyncGroup in flight at the moment of a take-over is answered
+  FENCED_INSTANCE_ID (code 82), which aiokafka does not know: it raises
+  ``KafkaError('UnknownError()')`` from ``getmany``. :func:`register_fenced_error` names
+  code 82, and :class:`Membership` sees a take-over as a join at the generation this
+  process already had.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from aiokafka import AIOKafkaConsumer
+from aiokafka import errors as kerr
+from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
+from aiokafka.errors import BrokerResponseError, KafkaError
+
+from inbox.errors import DuplicateInstanceId, SessionTimeoutRefused
+from outbox.daemon import kafka_admin, kafka_refusal, start_kafka
+from outbox.errors import BrokerUnavailable
+from outbox.settings import OutboxSettings
+
+log = logging.getLogger("outbox.inbox")
+
+FENCED_INSTANCE_ID = 82
+# The rebalance timeout a static member keeps: aiokafka's default session (see above).
+REBALANCE_TIMEOUT_MS = 10_000
+# A process taken over this soon after its own first join is the newcomer: it stops, and
+# the process that had the id keeps it. The take-back comes with the other's next
+# heartbeat (3 s) and is seen at this one's next (3 s): well inside this.
+NEWCOMER_SECONDS = 30.0
+_MIN, _MAX = "group.min.session.timeout.ms", "group.max.session.timeout.ms"
+
+
+class FencedInstanceIdError(BrokerResponseError):  # type: ignore[misc]  # aiokafka is untyped
+    errno = FENCED_INSTANCE_ID
+    message = "FENCED_INSTANCE_ID"
+    description = "Another member with the same group instance id took this one's place."
+
+
+def register_fenced_error() -> None:
+    """Name Kafka's error code 82, which aiokafka 0.14 maps to UnknownError: its errors
+    then keep the broker's error name (``KafkaError('FencedInstanceIdError()')``)."""
+    if kerr.for_code(FENCED_INSTANCE_ID) is kerr.UnknownError:
+        kerr.kafka_errors[FENCED_INSTANCE_ID] = FencedInstanceIdError
+    if not issubclass(kerr.for_code(FENCED_INSTANCE_ID), BrokerResponseError):
+        raise RuntimeError("aiokafka.errors.for_code(82) cannot be named")  # a bug: loud
+
+
+def is_fenced(exc: BaseException) -> bool:
+    """aiokafka wraps the join's error as ``KafkaError(repr(error))``: the name is all
+    that is left of it."""
+    return isinstance(exc, FencedInstanceIdError) or FencedInstanceIdError.__name__ in str(exc)
+
+
+def static_options(settings: OutboxSettings, app_options: Mapping[str, Any]) -> dict[str, Any]:
+    """The consumer options of static membership (empty without an instance id); the
+    app's own ``kafka_options`` win."""
+    config = settings.consumer
+    instance_id = config.instance_id(socket.gethostname())
+    if instance_id is None:
+        return {}
+    options = {
+        "group_instance_id": instance_id,
+        "session_timeout_ms": config.static_session_timeout_ms,
+        "rebalance_timeout_ms": REBALANCE_TIMEOUT_MS,
+    }
+    return {name: v for name, v in options.items() if name not in app_options}
+
+
+async def check_session_timeout(settings: OutboxSettings, timeout_ms: int) -> None:
+    """Refuse (exit 2) a session timeout outside the brokers' group bounds. A broker that
+    does not let this client describe its configuration is logged and passed: the join
+    then says INVALID_SESSION_TIMEOUT if it must."""
+    admin = kafka_admin(settings)
+    try:
+        await start_kafka(admin, settings)
+        brokers = (await admin.describe_cluster())["brokers"]
+        wanted = {_MIN: None, _MAX: None}
+        resources = [
+            ConfigResource(ConfigResourceType.BROKER, str(b["node_id"]), wanted) for b in brokers
+        ]
+        values: dict[str, list[int]] = {_MIN: [], _MAX: []}
+        for response in await admin.describe_configs(resources):
+            for code, _message, _type, _name, entries, *_ in response.resources:
+                if code:
+                    log.warning(
+                        "cannot read the brokers' group session bounds (%s); not checked",
+                        type(kerr.for_code(code)()).__name__,
+                    )
+                    return
+                for entry in entries:
+                    if entry[0] in values and entry[1] is not None:
+                        values[entry[0]].append(int(entry[1]))
+    except KafkaError as exc:
+        refused = kafka_refusal(exc)
+        if refused is not None:
+            raise refused from None
+        raise BrokerUnavailable(f"Kafka admin request failed: {type(exc).__name__}") from exc
+    finally:
+        await admin.close()
+    low, high = max(values[_MIN], default=0), min(values[_MAX], default=timeout_ms)
+    if not low <= timeout_ms <= high:
+        raise SessionTimeoutRefused(
+            f"OUTBOX_CONSUMER__STATIC_SESSION_TIMEOUT_MS is {timeout_ms}, the brokers take "
+            f"{low}..{high} ({_MIN} .. {_MAX}); set it within, or raise the brokers' bound"
+        )
+
+
+def session_refused(exc: BaseException, timeout_ms: int) -> SessionTimeoutRefused | None:
+    """The join's INVALID_SESSION_TIMEOUT as a configuration error."""
+    if not isinstance(exc, kerr.InvalidSessionTimeoutError):
+        return None
+    return SessionTimeoutRefused(
+        f"Kafka refuses the group session timeout {timeout_ms} ms (InvalidSessionTimeoutError); "
+        f"set OUTBOX_CONSUMER__STATIC_SESSION_TIMEOUT_MS within the brokers' {_MIN} .. {_MAX}"
+    )
+
+
+class Membership:
+    """Tells a take-over of this process's instance id by another live process.
+
+    Kafka gives a static member a new generation only through a rebalance. A join at the
+    generation this process already had is therefore the other process's take-over being
+    taken back (see the module docstring)."""
+
+    def __init__(self, kafka: AIOKafkaConsumer, group: str, instance_id: str) -> None:
+        self._kafka = kafka
+        self.group = group
+        self.instance_id = instance_id
+        self._generation: int | None = None
+        self._first_join: float | None = None
+        # The one private attribute used, checked when the consumer starts.
+        if not hasattr(kafka, "_coordinator"):
+            raise RuntimeError("aiokafka changed: AIOKafkaConsumer._coordinator is gone")
+
+    def _current_generation(self) -> int:
+        return int(self._kafka._coordinator.generation)
+
+    def joined(self) -> DuplicateInstanceId | None:
+        """Called when partitions are assigned; the error to stop with, when this process
+        is the newcomer of a duplicate pair."""
+        generation = self._current_generation()
+        now = time.monotonic()
+        previous, self._generation = self._generation, generation
+        if self._first_join is None:
+            self._first_join = now
+            return None
+        if previous != generation:
+            return None  # a rebalance
+        if now - self._first_join <= NEWCOMER_SECONDS:
+            return self.duplicate("another process took the member over")
+        log.error(
+            "another live consumer joined with group instance id %s and took this member "
+            "over; took it back (that process stops if it started last)",
+            self.instance_id,
+            extra={"group": self.group, "instance_id": self.instance_id},
+        )
+        return None
+
+    def duplicate(self, cause: str) -> DuplicateInstanceId:
+        return DuplicateInstanceId(self.instance_id, self.group, cause)
