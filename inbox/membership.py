@@ -46,10 +46,11 @@ log = logging.getLogger("outbox.inbox")
 FENCED_INSTANCE_ID = 82
 # The rebalance timeout a static member keeps: aiokafka's default session (see above).
 REBALANCE_TIMEOUT_MS = 10_000
-# A process taken over this soon after its own first join is the newcomer: it stops, and
-# the process that had the id keeps it. The take-back comes with the other's next
-# heartbeat (3 s) and is seen at this one's next (3 s): well inside this.
-NEWCOMER_SECONDS = 30.0
+# Which of two processes with one id stops: the one that had been a member for less than
+# this when it first found itself taken over. The newcomer is taken over at the other's
+# next heartbeat (3 s) or offset commit, and sees it at its own next one: within two
+# heartbeats. Two processes started closer together than this may both stop.
+NEWCOMER_SECONDS = 10.0
 _MIN, _MAX = "group.min.session.timeout.ms", "group.max.session.timeout.ms"
 
 
@@ -151,6 +152,7 @@ class Membership:
         self.instance_id = instance_id
         self._generation: int | None = None
         self._first_join: float | None = None
+        self._incumbent: bool | None = None  # decided at the first take-over
         # The one private attribute used, checked when the consumer starts.
         if not hasattr(kafka, "_coordinator"):
             raise RuntimeError("aiokafka changed: AIOKafkaConsumer._coordinator is gone")
@@ -169,8 +171,10 @@ class Membership:
             return None
         if previous != generation:
             return None  # a rebalance
-        if now - self._first_join <= NEWCOMER_SECONDS:
-            return self.duplicate("another process took the member over")
+        if self._incumbent is None:
+            self._incumbent = now - self._first_join > NEWCOMER_SECONDS
+        if not self._incumbent:
+            return self.duplicate("it had the member first and took it back")
         log.error(
             "another live consumer joined with group instance id %s and took this member "
             "over; took it back (that process stops if it started last)",
