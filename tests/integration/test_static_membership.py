@@ -299,3 +299,21 @@ async def test_a_second_process_with_the_same_instance_id_exits_2_and_the_first_
             if proc is not None and proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
         assert await _wait_exit(first) == 0, _stderr(first)
+
+
+async def test_a_session_timeout_above_the_brokers_bound_stops_the_consumer_at_start(
+    settings: OutboxSettings, engine: Engine, kafka_bootstrap: str
+) -> None:
+    # Kafka's default group.max.session.timeout.ms is 30 minutes.
+    topic = await create_topic(kafka_bootstrap)
+    group = f"c-{uuid.uuid4().hex[:8]}"
+    env = _env(settings, topic, effects_table(engine), group)
+    env["OUTBOX_CONSUMER__STATIC_SESSION_TIMEOUT_MS"] = "2000000"
+    consumer = outbox_cli(["consume", TARGET, "--instance-id", "too-long-session"], env)
+    code = await _wait_exit(consumer, within=60)
+    err = _stderr(consumer)
+    assert code == 2, err
+    [line] = [line for line in err.splitlines() if line.startswith("error:")]
+    assert "OUTBOX_CONSUMER__STATIC_SESSION_TIMEOUT_MS is 2000000" in line, err
+    assert "group.max.session.timeout.ms" in line and "Traceback" not in err, err
+    assert await _assignment(kafka_bootstrap, group) == {}  # it never joined
