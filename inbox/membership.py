@@ -20,7 +20,10 @@ the session times out and Kafka rebalances). What this module adds:
   FENCED_INSTANCE_ID (code 82), which aiokafka does not know: it raises
   ``KafkaError('UnknownError()')`` from ``getmany``. :func:`register_fenced_error` names
   code 82, and :class:`Membership` sees a take-over as a join at the generation this
-  process already had.
+  process already had. Of the two, the process that had been a member for less than
+  ``NEWCOMER_SECONDS`` when first taken over stops (exit 2); the other takes the member
+  back — when it was fenced, by joining afresh (aiokafka would retry under the fenced
+  member id, and be fenced again forever).
 """
 
 from __future__ import annotations
@@ -153,9 +156,13 @@ class Membership:
         self._generation: int | None = None
         self._first_join: float | None = None
         self._incumbent: bool | None = None  # decided at the first take-over
-        # The one private attribute used, checked when the consumer starts.
-        if not hasattr(kafka, "_coordinator"):
-            raise RuntimeError("aiokafka changed: AIOKafkaConsumer._coordinator is gone")
+        # The private parts used (the group coordinator's generation, and its reset when
+        # fenced), checked once the consumer has started.
+        coordinator = getattr(kafka, "_coordinator", None)
+        if not hasattr(coordinator, "generation") or not callable(
+            getattr(coordinator, "reset_generation", None)
+        ):
+            raise RuntimeError("aiokafka changed: AIOKafkaConsumer._coordinator is not as known")
 
     def _current_generation(self) -> int:
         return int(self._kafka._coordinator.generation)
@@ -171,9 +178,7 @@ class Membership:
             return None
         if previous != generation:
             return None  # a rebalance
-        if self._incumbent is None:
-            self._incumbent = now - self._first_join > NEWCOMER_SECONDS
-        if not self._incumbent:
+        if not self._is_incumbent():
             return self.duplicate("it had the member first and took it back")
         log.error(
             "another live consumer joined with group instance id %s and took this member "
@@ -182,6 +187,30 @@ class Membership:
             extra={"group": self.group, "instance_id": self.instance_id},
         )
         return None
+
+    def survives(self, exc: BaseException) -> bool:
+        """``exc`` came from ``getmany``: True when it is the fencing of the process that
+        had the member first — its join or sync was in flight when the newcomer took the
+        member. aiokafka would join again under the fenced member id, and be fenced
+        forever; with the member id reset it joins afresh and takes the member back (the
+        newcomer then stops)."""
+        if not is_fenced(exc) or not self._is_incumbent():
+            return False
+        self._kafka._coordinator.reset_generation()
+        log.error(
+            "another live consumer joined with group instance id %s and fenced this member "
+            "(FencedInstanceIdError); joining again (that process stops if it started last)",
+            self.instance_id,
+            extra={"group": self.group, "instance_id": self.instance_id},
+        )
+        return True
+
+    def _is_incumbent(self) -> bool:
+        """Decided at the first take-over: had this process been a member for long?"""
+        if self._incumbent is None:
+            first = self._first_join
+            self._incumbent = first is not None and time.monotonic() - first > NEWCOMER_SECONDS
+        return self._incumbent
 
     def duplicate(self, cause: str) -> DuplicateInstanceId:
         return DuplicateInstanceId(self.instance_id, self.group, cause)

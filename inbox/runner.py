@@ -399,6 +399,8 @@ class ConsumerDaemon:
                         max_records=config.max_batch_records * 4,
                     )
                 except KafkaError as exc:
+                    if self._membership is not None and self._membership.survives(exc):
+                        continue  # fenced by a newcomer with this instance id: join again
                     refusal = self._group_refusal(exc)
                     if refusal is None:
                         raise

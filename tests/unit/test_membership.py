@@ -51,7 +51,9 @@ class _Clock:
 def _member(monkeypatch: pytest.MonkeyPatch) -> tuple[Any, membership.Membership, _Clock]:
     clock = _Clock()
     monkeypatch.setattr(membership.time, "monotonic", clock)
-    kafka: Any = SimpleNamespace(_coordinator=SimpleNamespace(generation=1))
+    coordinator = SimpleNamespace(generation=1, resets=0)
+    coordinator.reset_generation = lambda: setattr(coordinator, "resets", coordinator.resets + 1)
+    kafka: Any = SimpleNamespace(_coordinator=coordinator)
     return kafka, membership.Membership(kafka, "shipping", "shipping-0"), clock
 
 
@@ -81,3 +83,29 @@ def test_the_incumbent_takes_the_member_back_and_goes_on(monkeypatch: pytest.Mon
     assert member.joined() is None  # taken over by a newcomer: logged, kept
     clock.now += 1
     assert member.joined() is None  # the newcomer again (restarted by its orchestrator)
+
+
+def _fenced() -> kerr.KafkaError:
+    membership.register_fenced_error()
+    return kerr.KafkaError(repr(kerr.for_code(membership.FENCED_INSTANCE_ID)()))
+
+
+def test_a_fenced_incumbent_joins_afresh(monkeypatch: pytest.MonkeyPatch) -> None:
+    kafka, member, clock = _member(monkeypatch)
+    assert member.joined() is None
+    clock.now += membership.NEWCOMER_SECONDS + 1
+    assert member.survives(_fenced())
+    assert kafka._coordinator.resets == 1  # no longer under the fenced member id
+    assert not member.survives(kerr.KafkaError("something else"))
+
+
+@pytest.mark.parametrize("joined_before", [True, False])
+def test_a_fenced_newcomer_does_not_survive(
+    monkeypatch: pytest.MonkeyPatch, joined_before: bool
+) -> None:
+    kafka, member, clock = _member(monkeypatch)
+    if joined_before:
+        assert member.joined() is None
+    clock.now += 2
+    assert not member.survives(_fenced())  # the daemon stops with DuplicateInstanceId
+    assert kafka._coordinator.resets == 0
