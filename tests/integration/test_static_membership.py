@@ -276,7 +276,8 @@ async def test_a_second_process_with_the_same_instance_id_exits_2_and_the_first_
         assert "another live consumer uses group instance id 'dup-" in errors[0], err
         assert "OUTBOX_CONSUMER__GROUP_INSTANCE_ID" in errors[0], err
         assert "Traceback" not in err, err
-        # The first process kept the member: it goes on handling what comes.
+        # The first process kept the member (taking it back, or joining afresh when it was
+        # fenced): it goes on handling what comes.
         count = stream.count
         await wait_for(
             lambda: len(effect_counts(engine, table)) >= count + 100,
@@ -299,6 +300,9 @@ async def test_a_second_process_with_the_same_instance_id_exits_2_and_the_first_
             if proc is not None and proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
         assert await _wait_exit(first) == 0, _stderr(first)
+    err = _stderr(first)
+    assert "another live consumer joined with group instance id dup-" in err, err
+    assert "Traceback" not in err, err
 
 
 async def test_a_session_timeout_above_the_brokers_bound_stops_the_consumer_at_start(
