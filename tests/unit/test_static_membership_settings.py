@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from cli.consume import with_instance_id
 from outbox import ConfigurationError, load_settings
 
 
@@ -68,3 +69,13 @@ def test_a_host_name_that_makes_a_bad_id_is_a_configuration_error() -> None:
 def test_static_session_timeout_bounds(value: int) -> None:
     with pytest.raises(ConfigurationError, match="static_session_timeout_ms"):
         load_settings(consumer={"static_session_timeout_ms": value})
+
+
+def test_the_cli_option_is_validated_like_the_setting() -> None:
+    settings = load_settings(consumer={"max_attempts": 7})
+    chosen = with_instance_id(settings, "orders-{hostname}")
+    assert chosen.consumer.group_instance_id == "orders-{hostname}"
+    assert chosen.consumer.max_attempts == 7  # the rest of the section is kept
+    assert with_instance_id(settings, None) is settings
+    with pytest.raises(ConfigurationError, match=r"--instance-id: .*only the field \{hostname\}"):
+        with_instance_id(settings, "{host}")
