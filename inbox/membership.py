@@ -132,13 +132,20 @@ async def check_session_timeout(settings: OutboxSettings, timeout_ms: int) -> No
         )
 
 
-def session_refused(exc: BaseException, timeout_ms: int) -> SessionTimeoutRefused | None:
-    """The join's INVALID_SESSION_TIMEOUT as a configuration error."""
+def session_refused(
+    exc: BaseException, timeout_ms: int, static: bool
+) -> SessionTimeoutRefused | None:
+    """The join's INVALID_SESSION_TIMEOUT as a configuration error naming what sets it."""
     if not isinstance(exc, kerr.InvalidSessionTimeoutError):
         return None
+    setting = (
+        "OUTBOX_CONSUMER__STATIC_SESSION_TIMEOUT_MS"
+        if static
+        else "session_timeout_ms (the app's kafka_options or OUTBOX_KAFKA__OPTIONS)"
+    )
     return SessionTimeoutRefused(
         f"Kafka refuses the group session timeout {timeout_ms} ms (InvalidSessionTimeoutError); "
-        f"set OUTBOX_CONSUMER__STATIC_SESSION_TIMEOUT_MS within the brokers' {_MIN} .. {_MAX}"
+        f"set {setting} within the brokers' {_MIN} .. {_MAX}"
     )
 
 

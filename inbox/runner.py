@@ -227,7 +227,9 @@ class ConsumerDaemon:
                 closing.push_async_callback(self._engine.dispose)
                 closing.push_async_callback(self._connections.close)
                 closing.push_async_callback(sink.stop)
-                closing.push_async_callback(kafka.stop)  # leaves the group: partitions move
+                # Leaves the group: partitions move. A static member stays in it (no
+                # LeaveGroup): its partitions wait for the same instance id to return.
+                closing.push_async_callback(kafka.stop)
                 if self._sharer is not None:
                     closing.callback(self._sharer.cancel)
                 closing.push_async_callback(self.release, list(self._lanes))
@@ -433,7 +435,7 @@ class ConsumerDaemon:
         instance id, a session timeout the brokers refuse."""
         if self._membership is not None and is_fenced(exc):
             return self._membership.duplicate(f"Kafka: {exc}")
-        return session_refused(exc, self._session_timeout_ms)
+        return session_refused(exc, self._session_timeout_ms, self._membership is not None)
 
     def _lane(
         self,

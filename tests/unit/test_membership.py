@@ -35,9 +35,12 @@ def test_code_82_gets_its_name() -> None:
 
 
 def test_session_refused_names_the_setting() -> None:
-    refused = membership.session_refused(kerr.InvalidSessionTimeoutError(), 45_000)
+    refused = membership.session_refused(kerr.InvalidSessionTimeoutError(), 45_000, True)
     assert refused is not None and "STATIC_SESSION_TIMEOUT_MS" in str(refused)
-    assert membership.session_refused(kerr.KafkaError(), 45_000) is None
+    assert "InvalidSessionTimeoutError" in str(refused)  # the broker's error name stays
+    dynamic = membership.session_refused(kerr.InvalidSessionTimeoutError(), 500, False)
+    assert dynamic is not None and "kafka_options" in str(dynamic)
+    assert membership.session_refused(kerr.KafkaError(), 45_000, True) is None
 
 
 class _Clock:
