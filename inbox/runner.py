@@ -174,7 +174,10 @@ class ConsumerDaemon:
             **static_options(self.settings, self.app.kafka_options),
             **self.app.kafka_options,
         }
-        self._session_timeout_ms = options.get("session_timeout_ms", self._session_timeout_ms)
+        # As the consumer will have it (OUTBOX_KAFKA__OPTIONS reach it through _build).
+        self._session_timeout_ms = options.get(
+            "session_timeout_ms", settings.kafka.options.get("session_timeout_ms", 10_000)
+        )
         kafka = kafka_consumer(
             settings, group_id=self.app.name, enable_auto_commit=False, **options
         )

@@ -324,3 +324,21 @@ async def test_a_session_timeout_above_the_brokers_bound_stops_the_consumer_at_s
     assert "OUTBOX_CONSUMER__STATIC_SESSION_TIMEOUT_MS is 2000000" in line, err
     assert "group.max.session.timeout.ms" in line and "Traceback" not in err, err
     assert await _assignment(kafka_bootstrap, group) == {}  # it never joined
+
+
+async def test_a_session_timeout_kafka_refuses_at_join_stops_the_consumer(
+    settings: OutboxSettings, engine: Engine, kafka_bootstrap: str
+) -> None:
+    # Not checked at start (no instance id): Kafka's INVALID_SESSION_TIMEOUT at join, which
+    # aiokafka raises from getmany, becomes one line naming what set the timeout.
+    topic = await create_topic(kafka_bootstrap)
+    group = f"c-{uuid.uuid4().hex[:8]}"
+    env = _env(settings, topic, effects_table(engine), group)
+    env["OUTBOX_KAFKA__OPTIONS"] = '{"session_timeout_ms": 1000, "heartbeat_interval_ms": 300}'
+    consumer = outbox_cli(["consume", TARGET], env)
+    code = await _wait_exit(consumer, within=60)
+    err = _stderr(consumer)
+    assert code == 2, err
+    [line] = [line for line in err.splitlines() if line.startswith("error:")]
+    assert "group session timeout 1000 ms (InvalidSessionTimeoutError)" in line, err
+    assert "OUTBOX_KAFKA__OPTIONS" in line and "Traceback" not in err, err
