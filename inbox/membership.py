@@ -21,7 +21,7 @@ the session times out and Kafka rebalances). What this module adds:
   ``KafkaError('UnknownError()')`` from ``getmany``. :func:`register_fenced_error` names
   code 82, and :class:`Membership` sees a take-over as a join at the generation this
   process already had. Of the two, the process that had been a member for less than
-  ``NEWCOMER_SECONDS`` when first taken over stops (exit 2); the other takes the member
+  :func:`newcomer_seconds` when first taken over stops (exit 2); the other takes the member
   back — when it was fenced, by joining afresh (aiokafka would retry under the fenced
   member id, and be fenced again forever).
 """
@@ -54,6 +54,14 @@ REBALANCE_TIMEOUT_MS = 10_000
 # next heartbeat (3 s) or offset commit, and sees it at its own next one: within two
 # heartbeats. Two processes started closer together than this may both stop.
 NEWCOMER_SECONDS = 10.0
+HEARTBEAT_MS = 3000  # aiokafka's default heartbeat_interval_ms
+
+
+def newcomer_seconds(heartbeat_ms: int) -> float:
+    """NEWCOMER_SECONDS, or three heartbeats when the app's heartbeats are slower."""
+    return max(NEWCOMER_SECONDS, 3 * heartbeat_ms / 1000)
+
+
 _MIN, _MAX = "group.min.session.timeout.ms", "group.max.session.timeout.ms"
 
 
@@ -156,8 +164,15 @@ class Membership:
     generation this process already had is therefore the other process's take-over being
     taken back (see the module docstring)."""
 
-    def __init__(self, kafka: AIOKafkaConsumer, group: str, instance_id: str) -> None:
+    def __init__(
+        self,
+        kafka: AIOKafkaConsumer,
+        group: str,
+        instance_id: str,
+        heartbeat_ms: int = HEARTBEAT_MS,
+    ) -> None:
         self._kafka = kafka
+        self._newcomer = newcomer_seconds(heartbeat_ms)
         self.group = group
         self.instance_id = instance_id
         self._generation: int | None = None
@@ -216,7 +231,7 @@ class Membership:
         """Decided at the first take-over: had this process been a member for long?"""
         if self._incumbent is None:
             first = self._first_join
-            self._incumbent = first is not None and time.monotonic() - first > NEWCOMER_SECONDS
+            self._incumbent = first is not None and time.monotonic() - first > self._newcomer
         return self._incumbent
 
     def duplicate(self, cause: str) -> DuplicateInstanceId:

@@ -206,7 +206,9 @@ class ConsumerDaemon:
             await start_kafka(producer, settings)
             await start_kafka(kafka, settings)
             if (instance_id := options.get("group_instance_id")) is not None:
-                self._membership = Membership(kafka, self.app.name, instance_id)
+                heartbeat = options.get("heartbeat_interval_ms")
+                heartbeat = heartbeat or settings.kafka.options.get("heartbeat_interval_ms", 3000)
+                self._membership = Membership(kafka, self.app.name, instance_id, heartbeat)
             kafka.subscribe(list(self.app.topics), listener=_Listener(self))
             self._watcher = asyncio.create_task(self._watch_kafka(kafka))
             self._running = True

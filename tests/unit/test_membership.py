@@ -112,3 +112,8 @@ def test_a_fenced_newcomer_does_not_survive(
     clock.now += 2
     assert not member.survives(_fenced())  # the daemon stops with DuplicateInstanceId
     assert kafka._coordinator.resets == 0
+
+
+def test_slow_heartbeats_widen_the_newcomer_window() -> None:
+    assert membership.newcomer_seconds(3000) == membership.NEWCOMER_SECONDS
+    assert membership.newcomer_seconds(10_000) == 30.0
