@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from outbox.errors import ConfigurationError, OutboxError
+from outbox.errors import ConfigurationError, NotFound, OutboxError
 
 
 class HandlerConfigurationError(ConfigurationError):
@@ -29,7 +29,7 @@ class RecordTooLargeForTopic(ConfigurationError):
         self.error = error
 
 
-class DeadLetterNotFound(OutboxError):
+class DeadLetterNotFound(NotFound):
     """No dead letter matches the given consumer and event id."""
 
 

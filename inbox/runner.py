@@ -37,8 +37,7 @@ import psycopg
 from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
 from aiokafka.abc import ConsumerRebalanceListener
 from aiokafka.errors import CommitFailedError, IllegalStateError, KafkaError
-from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
-from sqlalchemy.exc import TimeoutError as PoolTimeout
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
 from inbox.app import Consumer, Decoder
@@ -59,6 +58,7 @@ from inbox.processor import PartitionProcessor, process_together
 from inbox.store import InboxStore
 from outbox.daemon import MetadataWatch, kafka_consumer, start_kafka, with_client_options
 from outbox.db import async_engine, unavailable
+from outbox.dberrors import is_transient
 from outbox.errors import BrokerUnavailable, DatabaseUnavailable, OutboxError
 from outbox.outages import Dependency
 from outbox.poolers import probe_session
@@ -80,16 +80,14 @@ END_OFFSETS_TIMEOUT_SECONDS = 5.0
 def _transient(exc: BaseException) -> bool:
     """Infrastructure trouble (database or broker unreachable): retry the batch without
     charging the events an attempt."""
+    # Database errors by the SQLSTATE table (outbox/dberrors.py): a read-only transaction or
+    # a full disk met by the consumer's own statements is an outage, whatever the driver's
+    # class; SQLAlchemy's errors, or psycopg's own from the hot path's statements
+    # (inbox/store.py); a pool with every connection busy for its whole timeout.
+    if is_transient(exc):
+        return True
     if isinstance(exc, OutboxError):
         return exc.retriable
-    # SQLAlchemy's, or psycopg's own from the hot path's statements (inbox/store.py); a
-    # pool with every connection busy for its whole timeout is a database too slow.
-    if isinstance(exc, OperationalError | InterfaceError | PoolTimeout):
-        return True
-    if isinstance(exc, psycopg.OperationalError | psycopg.InterfaceError):
-        return True
-    if isinstance(exc, DBAPIError):
-        return bool(exc.connection_invalidated)
     return isinstance(exc, KafkaError) and bool(getattr(exc, "retriable", False))
 
 

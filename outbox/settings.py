@@ -70,7 +70,9 @@ class RelaySettings(_Section):
         ge=1,
         le=16,
         description="Concurrent claim->publish->ack loops per relay, each on its own share "
-        "of the owned lanes (one claims while another waits for Kafka acks).",
+        "of the owned lanes under a backlog (one claims while another waits for Kafka acks); "
+        "while claims are small the first one claims every lane and the others wait, so a "
+        "light stream costs one claim per poll, not one per pipeline.",
     )
     poll_interval_seconds: float = Field(
         0.2, gt=0, description="Longest sleep between polls when the outbox is empty."
@@ -328,6 +330,26 @@ class TopicSettings(_Section):
     )
 
 
+class ConsoleSettings(_Section):
+    """The operator console (``outbox console``)."""
+
+    token: SecretStr | None = Field(
+        None,
+        description="Bearer token the console requires (header `Authorization: Bearer ...` "
+        "or the login form); mandatory to bind anything but 127.0.0.1/localhost.",
+    )
+    token_name: str = Field(
+        "operator",
+        min_length=1,
+        max_length=64,
+        pattern=r"^[A-Za-z0-9_.@-]+$",
+        description="Who holds the token: the name audit lines give for its actions.",
+    )
+    sample_seconds: float = Field(
+        15.0, gt=0, le=3600, description="How often the console samples lag for its chart."
+    )
+
+
 class IdempotencySettings(_Section):
     """Idempotent request handling (the Stripe pattern)."""
 
@@ -496,6 +518,7 @@ class OutboxSettings(BaseSettings):
     consumer: ConsumerSettings = ConsumerSettings()
     topics: TopicSettings = TopicSettings()
     idempotency: IdempotencySettings = IdempotencySettings()
+    console: ConsoleSettings = ConsoleSettings()
 
     @field_validator("database_url")
     @classmethod
