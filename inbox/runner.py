@@ -45,6 +45,14 @@ from inbox.connections import Connections
 from inbox.event import InboxEvent
 from inbox.kafka import KafkaSink, dlq_producer, ensure_topics, start_dlq_producer
 from inbox.linger import FetchLinger
+from inbox.membership import (
+    Membership,
+    check_session_timeout,
+    is_fenced,
+    register_fenced_error,
+    session_refused,
+    static_options,
+)
 from inbox.metrics import Metrics
 from inbox.processor import PartitionProcessor, process_together
 from inbox.store import InboxStore
@@ -92,6 +100,9 @@ class _Listener(ConsumerRebalanceListener):  # type: ignore[misc]
 
     async def on_partitions_assigned(self, assigned: Sequence[TopicPartition]) -> None:
         self._daemon._assigned.update(assigned)
+        membership = self._daemon._membership
+        if membership is not None and (duplicate := membership.joined()) is not None:
+            self._daemon._failure = self._daemon._failure or duplicate
         log.info("partitions assigned", extra={"partitions": sorted(str(tp) for tp in assigned)})
 
 
@@ -122,6 +133,9 @@ class ConsumerDaemon:
     # End offsets of paused partitions, asked for by the Kafka check (see module docstring).
     _end_offsets: dict[TopicPartition, int] = field(default_factory=dict, init=False)
     _sharer: asyncio.Task[None] | None = field(default=None, init=False)
+    # Static membership (inbox/membership.py): set when an instance id is.
+    _membership: Membership | None = field(default=None, init=False)
+    _session_timeout_ms: int = field(default=10_000, init=False)  # aiokafka's default
 
     def __post_init__(self) -> None:
         self.settings = self.settings.for_consumer()  # its own URL, when one is set
@@ -151,11 +165,17 @@ class ConsumerDaemon:
         settings = with_client_options(self.settings, self.app.kafka_options)
         if not await self._topics_ready(settings, stop):
             return
+        register_fenced_error()
         options: dict[str, Any] = {
             "auto_offset_reset": "earliest",
             "max_poll_records": config.max_batch_records,
+            **static_options(self.settings, self.app.kafka_options),
             **self.app.kafka_options,
         }
+        # As the consumer will have it (OUTBOX_KAFKA__OPTIONS reach it through _build).
+        self._session_timeout_ms = options.get(
+            "session_timeout_ms", settings.kafka.options.get("session_timeout_ms", 10_000)
+        )
         kafka = kafka_consumer(
             settings, group_id=self.app.name, enable_auto_commit=False, **options
         )
@@ -183,12 +203,20 @@ class ConsumerDaemon:
         try:
             await start_kafka(producer, settings)
             await start_kafka(kafka, settings)
+            if (instance_id := options.get("group_instance_id")) is not None:
+                heartbeat = options.get("heartbeat_interval_ms")
+                heartbeat = heartbeat or settings.kafka.options.get("heartbeat_interval_ms", 3000)
+                self._membership = Membership(kafka, self.app.name, instance_id, heartbeat)
             kafka.subscribe(list(self.app.topics), listener=_Listener(self))
             self._watcher = asyncio.create_task(self._watch_kafka(kafka))
             self._running = True
             log.info(
                 "consumer started",
-                extra={"consumer": self.app.name, "topics": list(self.app.topics)},
+                extra={
+                    "consumer": self.app.name,
+                    "topics": list(self.app.topics),
+                    "group_instance_id": options.get("group_instance_id"),
+                },
             )
             await self._loop(stop, sessions, sink, self._linger(kafka))
         finally:
@@ -202,7 +230,9 @@ class ConsumerDaemon:
                 closing.push_async_callback(self._engine.dispose)
                 closing.push_async_callback(self._connections.close)
                 closing.push_async_callback(sink.stop)
-                closing.push_async_callback(kafka.stop)  # leaves the group: partitions move
+                # Leaves the group: partitions move. A static member stays in it (no
+                # LeaveGroup): its partitions wait for the same instance id to return.
+                closing.push_async_callback(kafka.stop)
                 if self._sharer is not None:
                     closing.callback(self._sharer.cancel)
                 closing.push_async_callback(self.release, list(self._lanes))
@@ -268,6 +298,9 @@ class ConsumerDaemon:
         while True:
             try:
                 await ensure_topics(settings, self.app.topics)
+                static = static_options(self.settings, self.app.kafka_options)
+                if "session_timeout_ms" in static:
+                    await check_session_timeout(settings, static["session_timeout_ms"])
                 self.kafka.ok()
                 return True
             except BrokerUnavailable as exc:
@@ -365,9 +398,18 @@ class ConsumerDaemon:
         next_sweep = time.monotonic() + rest / 2
         try:
             while not stop.is_set() and self._failure is None:
-                batches = await self._kafka.getmany(
-                    timeout_ms=config.fetch_timeout_ms, max_records=config.max_batch_records * 4
-                )
+                try:
+                    batches = await self._kafka.getmany(
+                        timeout_ms=config.fetch_timeout_ms,
+                        max_records=config.max_batch_records * 4,
+                    )
+                except KafkaError as exc:
+                    if self._membership is not None and self._membership.survives(exc):
+                        continue  # fenced by a newcomer with this instance id: join again
+                    refusal = self._group_refusal(exc)
+                    if refusal is None:
+                        raise
+                    raise refusal from exc  # the broker's error name stays the cause
                 linger.fetched(bool(batches))
                 if batches:
                     self.kafka.ok()  # records arrived: Kafka is back (if it was gone)
@@ -390,6 +432,13 @@ class ConsumerDaemon:
             # Awaited, so that a commit it had under way is pending again for release().
             committer.cancel()
             await asyncio.gather(committer, return_exceptions=True)
+
+    def _group_refusal(self, exc: KafkaError) -> OutboxError | None:
+        """A group error no retry can fix, as a configuration error (exit 2): a duplicate
+        instance id, a session timeout the brokers refuse."""
+        if self._membership is not None and is_fenced(exc):
+            return self._membership.duplicate(f"Kafka: {exc}")
+        return session_refused(exc, self._session_timeout_ms, self._membership is not None)
 
     def _lane(
         self,
