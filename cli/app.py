@@ -18,7 +18,7 @@ from typing import Any
 import typer
 from typer.core import TyperGroup
 
-from cli import config, consume, db, dlq, effects, ops, relay, topics
+from cli import config, console, consume, db, dlq, effects, ops, relay, topics
 from cli.context import configure_logging, describe, error, run
 from outbox.settings import load_settings
 
@@ -70,6 +70,7 @@ app = typer.Typer(
 app.add_typer(db.app, name="db")
 app.add_typer(config.app, name="config")
 app.command("consume")(consume.consume)
+app.command("console")(console.console)
 app.add_typer(dlq.app, name="dlq")
 app.add_typer(effects.app, name="effects")
 app.add_typer(ops.app)  # lag, doctor, status, cleanup

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 import threading
 
 import typer
@@ -11,7 +12,9 @@ from cli.context import notice, run, settings_of
 from inbox import Consumer, ConsumerAppNotFound, ConsumerDaemon, Metrics
 from outbox import aio
 from outbox.daemon import early_stop_signals, serve_http, stop_on_signals
+from outbox.errors import ConfigurationError
 from outbox.imports import import_target
+from outbox.settings import ConsumerSettings, OutboxSettings
 
 
 def load_consumer(target: str) -> Consumer:
@@ -23,6 +26,19 @@ def load_consumer(target: str) -> Consumer:
     if not isinstance(app, Consumer):
         raise ConsumerAppNotFound(f"{target!r} is not an inbox.Consumer (got {type(app).__name__})")
     return app
+
+
+def with_instance_id(settings: OutboxSettings, template: str | None) -> OutboxSettings:
+    """``settings`` with ``--instance-id`` as consumer.group_instance_id (validated)."""
+    if template is None:
+        return settings
+    fields = {**settings.consumer.model_dump(), "group_instance_id": template}
+    try:
+        consumer = ConsumerSettings.model_validate(fields)
+    except ValueError as exc:  # pydantic's ValidationError; it echoes no secret here
+        problems = "; ".join(str(e["msg"]) for e in getattr(exc, "errors", list)())
+        raise ConfigurationError(f"--instance-id: {problems or exc}") from None
+    return settings.model_copy(update={"consumer": consumer})
 
 
 async def _serve(daemon: ConsumerDaemon, early_stop: threading.Event) -> None:
@@ -39,6 +55,13 @@ def consume(
     metrics_port: int | None = typer.Option(
         None, "--metrics-port", help="Serve Prometheus metrics on this port."
     ),
+    instance_id: str | None = typer.Option(
+        None,
+        "--instance-id",
+        help="Static group membership: this process's group instance id, stable across "
+        "restarts and unique per process; {hostname} is replaced by the host name "
+        "(default: OUTBOX_CONSUMER__GROUP_INSTANCE_ID).",
+    ),
 ) -> None:
     """Run an inbox consumer: effectively-once handlers, retries, dead letters.
 
@@ -47,7 +70,8 @@ def consume(
     with early_stop_signals() as early_stop:
         settings = settings_of(ctx)
         app = run(lambda: load_consumer(target))
-        settings = app.settings or settings
+        settings = run(lambda: with_instance_id(app.settings or settings, instance_id))
+        member = run(lambda: settings.consumer.instance_id(socket.gethostname()))
         metrics = Metrics(app.name)
         daemon = ConsumerDaemon(app, settings, metrics)
         server = None
@@ -56,9 +80,12 @@ def consume(
         notice(
             f"consumer {app.name} on {', '.join(app.topics)} "
             f"({len(app.handlers) + len(app.topic_handlers)} handlers, "
-            f"database {daemon.settings.safe_database_url})",
+            f"database {daemon.settings.safe_database_url}"
+            + (f", group instance id {member}" if member else "")
+            + ")",
             consumer=app.name,
             topics=list(app.topics),
+            group_instance_id=member,
         )
         try:
             run(lambda: aio.run(_serve(daemon, early_stop)))

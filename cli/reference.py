@@ -1,4 +1,5 @@
-"""Reference pages generated from the code: every ``outbox`` command and the error tree.
+"""Reference pages generated from the code: every ``outbox`` command, the error tree and the
+SQLSTATE table of database errors.
 
 The documentation site renders these at build time (``docs/_hooks/reference.py``), so the
 pages cannot drift from the code; tests compare them with what the code defines. They live
@@ -18,6 +19,7 @@ from typing import Any
 
 import typer.main
 
+from outbox.dberrors import SQLSTATES, DbTrouble
 from outbox.errors import ConfigurationError, OutboxError
 
 # Options every command has, or that only concern the shell: not worth a row each.
@@ -159,3 +161,23 @@ def errors_markdown() -> str:
             "",
         ]
     return "\n".join(parts)
+
+
+# What each kind of database error does, as the SQLSTATE table's rows say it.
+_TROUBLE_EFFECT = {
+    DbTrouble.OUTAGE: "outage: rolled back, retried after a backoff, logged once per state "
+    "change; no attempt counted, nothing dead-lettered, moved to `failed` or parked",
+    DbTrouble.CONFLICT: "conflict: the transaction runs again, no attempt counted (a "
+    "handler's: at once, up to 5 times in a row, then it counts as a retryable failure; the "
+    "relay's: after its database backoff)",
+    DbTrouble.REFUSED: "refused: configuration; a daemon stops with exit code 2",
+}
+
+
+def database_errors_markdown() -> str:
+    """The SQLSTATE table of ``outbox/dberrors.py``, one row per code or class."""
+    rows = ["| SQLSTATE | what it says | what the framework does |", "| --- | --- | --- |"]
+    for code, (kind, meaning) in SQLSTATES.items():
+        shown = f"`{code}` (class)" if len(code) == 2 else f"`{code}`"
+        rows.append(f"| {shown} | {_cell(meaning)} | {_cell(_TROUBLE_EFFECT[kind])} |")
+    return "\n".join(rows)

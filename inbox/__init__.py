@@ -31,7 +31,8 @@ from inbox.errors import (
 from inbox.event import InboxEvent
 from inbox.metrics import Metrics
 from inbox.runner import ConsumerDaemon
-from inbox.store import DeadLetter, DeadLetterFilter, InboxStore
+from inbox.store import InboxStore
+from outbox.ops.deadletters import DeadLetter, DeadLetterFilter, DeadLetterGroup
 from outbox.resilience.classify import Permanent, Retryable
 
 __all__ = [
@@ -40,6 +41,7 @@ __all__ = [
     "ConsumerDaemon",
     "DeadLetter",
     "DeadLetterFilter",
+    "DeadLetterGroup",
     "DeadLetterNotFound",
     "DeadLetters",
     "EnvelopeError",

@@ -9,7 +9,9 @@ was processed since (an earlier replay) is refused.
 
 from __future__ import annotations
 
+import builtins
 import contextlib
+import datetime as dt
 from dataclasses import dataclass, field
 
 from aiokafka.errors import KafkaError
@@ -18,10 +20,11 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from inbox.envelopes.base import EVENT_ID_HEADER
 from inbox.errors import DeadLetterNotFound
 from inbox.kafka import KafkaSink, dlq_producer
-from inbox.store import DeadLetter, DeadLetterFilter, InboxStore
+from inbox.store import InboxStore
 from outbox.daemon import start_kafka
 from outbox.db import async_engine, translated_errors
 from outbox.errors import BrokerUnavailable, ConfigurationError
+from outbox.ops.deadletters import DeadLetter, DeadLetterFilter, DeadLetterGroup
 from outbox.settings import OutboxSettings
 from outbox.tables import build_tables
 
@@ -46,10 +49,34 @@ class DeadLetters:
         if self._own_engine:
             await self._engine.dispose()
 
-    async def list(self, where: DeadLetterFilter, limit: int | None = 100) -> list[DeadLetter]:
+    async def list(
+        self,
+        where: DeadLetterFilter,
+        limit: int | None = 100,
+        offset: int = 0,
+        newest_first: bool = False,
+    ) -> list[DeadLetter]:
         with translated_errors():
             async with self._engine.connect() as conn:
-                return await self._store.dead_letters(conn, where, limit)
+                return await self._store.dead_letters(conn, where, limit, offset, newest_first)
+
+    async def count(self, where: DeadLetterFilter) -> int:
+        with translated_errors():
+            async with self._engine.connect() as conn:
+                return await self._store.count_dead_letters(conn, where)
+
+    async def groups(
+        self, where: DeadLetterFilter, limit: int = 100
+    ) -> builtins.list[DeadLetterGroup]:
+        """The matching dead letters grouped by error (class + normalised message)."""
+        with translated_errors():
+            async with self._engine.connect() as conn:
+                return await self._store.dead_letter_groups(conn, where, limit)
+
+    async def by_day(self, days: int = 14) -> builtins.list[tuple[dt.date, int]]:
+        with translated_errors():
+            async with self._engine.connect() as conn:
+                return await self._store.dead_letters_by_day(conn, days)
 
     async def get(self, consumer: str, event_id: str) -> DeadLetter:
         found = await self.list(DeadLetterFilter(consumer=consumer, event_id=event_id), 1)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from outbox.errors import ConfigurationError, OutboxError
+from outbox.errors import ConfigurationError, NotFound, OutboxError
 
 
 class HandlerConfigurationError(ConfigurationError):
@@ -29,7 +29,7 @@ class RecordTooLargeForTopic(ConfigurationError):
         self.error = error
 
 
-class DeadLetterNotFound(OutboxError):
+class DeadLetterNotFound(NotFound):
     """No dead letter matches the given consumer and event id."""
 
 
@@ -65,3 +65,28 @@ class TombstoneRefused(OutboxError):
 class ReplayRefused(OutboxError):
     """The event was already processed (e.g. replayed before); replaying again would
     apply it twice."""
+
+
+class DuplicateInstanceId(ConfigurationError):
+    """Two live consumer processes use the same group instance id
+    (``OUTBOX_CONSUMER__GROUP_INSTANCE_ID``) in one group. Kafka lets only one of them be
+    the member: it fences the other (``FENCED_INSTANCE_ID``), or each takes the member over
+    from the other in turn. The process that joined last stops (exit code 2), naming the
+    id; the one that had it keeps its partitions. Give every process its own id, e.g.
+    ``{hostname}`` in a StatefulSet."""
+
+    def __init__(self, instance_id: str, group: str, cause: str) -> None:
+        super().__init__(
+            f"another live consumer uses group instance id {instance_id!r} in group "
+            f"{group!r} ({cause}); give every process its own "
+            "OUTBOX_CONSUMER__GROUP_INSTANCE_ID (e.g. '{hostname}', or --instance-id)"
+        )
+        self.instance_id = instance_id
+        self.group = group
+
+
+class SessionTimeoutRefused(ConfigurationError):
+    """The group session timeout static membership asks for
+    (``OUTBOX_CONSUMER__STATIC_SESSION_TIMEOUT_MS``) is outside what the brokers allow
+    (``group.min.session.timeout.ms`` .. ``group.max.session.timeout.ms``); checked at
+    start, or refused by Kafka when the member joins (``INVALID_SESSION_TIMEOUT``)."""

@@ -46,6 +46,15 @@ After a crash the records of the unfinished run are handled in careful mode, one
 transaction, so the event that kills the process is isolated and, after its attempts are
 used up, dead-lettered without running again.
 
+Database errors are judged by their SQLSTATE (``outbox/dberrors.py``) before a handler's
+rules, wherever they were raised (the claim, a handler's own INSERT, the commit): an
+outage rolls the transaction back and leaves :meth:`process` as ``DatabaseUnavailable`` (the
+lane backs off; no event is charged), and a conflict runs the event's attempt again at once.
+An attempt the database interrupted in careful mode left its marker armed, which would read
+as a crash once the database is back; the processor remembers it (:class:`_Interrupted`)
+and takes it up again as the same attempt. Fast-path runs need nothing more: a marker this
+process armed with one attempt and no error is already known as its own (``_mine``).
+
 Shared transaction (:func:`process_together`): when several partitions each have a small
 run ready at once, the per-transaction cost (claim, flush, commit; about all the CPU at a
 few events per run) is paid once for all of them. Each partition's marker must cover its
@@ -83,6 +92,8 @@ from inbox.event import InboxEvent
 from inbox.failures import Failure
 from inbox.metrics import Metrics
 from inbox.store import Arm, Driver, InboxStore, Marker
+from outbox.db import describe, unavailable
+from outbox.dberrors import is_conflict, is_outage
 from outbox.resilience.retry import RetryPolicy
 from outbox.settings import ConsumerSettings
 
@@ -90,6 +101,9 @@ log = logging.getLogger("outbox.inbox")
 
 # How many offsets past a finished run its commit arms the marker for (see the docstring).
 AHEAD = 32
+# How many times in a row a conflict (serialization failure, deadlock) runs an attempt
+# again at once before it counts as a failed attempt like any retryable error.
+CONFLICT_RETRIES = 5
 
 # (after_offset, limit) -> up to ``limit`` queued records with a higher offset, in order.
 Queued = Callable[[int, int], Sequence[InboxEvent]]
@@ -131,6 +145,31 @@ class _Stop(Exception):
 class _RetryAlone:
     index: int  # position in the run of the event to retry alone
     failure: Failure
+    # Attempts the failure counts: 1, or 0 for a conflict (a serialization failure or a
+    # deadlock is the database asking to run the transaction again, not the event's fault).
+    prior: int = 1
+
+
+@dataclass(frozen=True)
+class _Interrupted:
+    """A careful attempt (or its dead letter) that the database interrupted, in this process.
+
+    ``marker`` is the durable marker the attempt wrote (or may have written: the write's
+    outcome is unknown when the outage hit it). A marker left armed is normally taken for a
+    crash of the handler under it; but this process is alive and saw the database go, so
+    when the marker read back after the outage is still exactly this one, the run it guards
+    did not crash: the next run is the *same* attempt (``prior`` attempts done before it,
+    ``last_error``, the crash ``charge`` it carried), or, when ``failure`` is set, the
+    attempt had failed and only its dead letter was left to write. Kept in memory only: a
+    process that dies during the outage leaves the marker to count as a crash, which at
+    worst charges one attempt for an outage followed by a crash (the safe direction).
+    """
+
+    marker: Marker
+    prior: int
+    last_error: str | None
+    charge: int
+    failure: Failure | None = None
 
 
 @dataclass
@@ -168,6 +207,8 @@ class PartitionProcessor:
     # run alone next, where a savepoint per event finds the culprit, instead of sharing
     # (and failing) again.
     _solo: bool = field(default=False, init=False)
+    # The careful attempt the database interrupted (see _Interrupted); outlives _forget().
+    _interrupted: _Interrupted | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         self._dead = DeadLetterer(self.app.name, self.config, self.store, self.sink, self.metrics)
@@ -285,10 +326,17 @@ class PartitionProcessor:
             return 0
         result = await self._failed_at(run, index, cause)
         if isinstance(result, _RetryAlone):
-            if not await self._alone(run[result.index], 1, result.failure):
-                return result.index
-            return result.index + 1
+            return await self._retry_alone(run, result)
         return result
+
+    async def _retry_alone(self, run: Sequence[InboxEvent], retry: _RetryAlone) -> int:
+        """Continue with ``run[retry.index]`` alone; how many of ``run`` are finished."""
+        event = run[retry.index]
+        # A conflict counted no attempt: the event runs again at once, as its first.
+        previous = retry.failure if retry.prior else None
+        if not await self._alone(event, retry.prior, previous):
+            return retry.index
+        return retry.index + 1
 
     async def _step(self, run: Sequence[InboxEvent], following: Sequence[InboxEvent]) -> int:
         if self._ready is not None:
@@ -312,6 +360,17 @@ class PartitionProcessor:
     async def _recover(self, run: Sequence[InboxEvent], prev: Marker) -> int:
         crashed = [e for e in run if e.offset <= prev.end_offset]
         if prev.start_offset == prev.end_offset:
+            cut = self._interrupted
+            if cut is not None and cut.marker == prev:
+                # Not a crash: the database interrupted this process's own attempt (see
+                # _Interrupted). Take it up again as the same attempt.
+                if cut.failure is not None:
+                    await self._dead_letter_alone(crashed[0], cut.failure, cut.prior)
+                    return 1
+                again = await self._alone(
+                    crashed[0], cut.prior, cut.last_error, charge=cut.charge, resume=True
+                )
+                return int(again)
             # A single-record marker counts that record's attempts exactly.
             return int(await self._alone(crashed[0], prev.attempts, prev.last_error))
         # A batch marker says only that the batch died somewhere in it. Each of its
@@ -364,11 +423,12 @@ class PartitionProcessor:
             self._marker = at_commit
             self._ready = _span_of(at_commit)
             self._mine = {self._ready}
+            self._interrupted = None
 
     def _finished(self) -> None:
         if isinstance(self._marker, Marker):
             self._marker = replace(self._marker, attempts=0, last_error=None)
-        self._ready, self._mine = None, set()
+        self._ready, self._mine, self._interrupted = None, set(), None
 
     # -------------------------------------------------------------- batch paths
 
@@ -399,9 +459,7 @@ class PartitionProcessor:
             at_commit = Marker(following[0].offset, following[-1].offset, 1, None)
         result = await self._chunk(run, at_commit)
         if isinstance(result, _RetryAlone):
-            if not await self._alone(run[result.index], 1, result.failure):
-                return result.index
-            return result.index + 1
+            return await self._retry_alone(run, result)
         return result
 
     async def _chunk(self, chunk: Sequence[InboxEvent], at_commit: AtCommit) -> int | _RetryAlone:
@@ -426,15 +484,13 @@ class PartitionProcessor:
             done = await self._prefix(chunk[:index])
             if done < index:
                 return done
-        return _RetryAlone(index, failure)
+        return _RetryAlone(index, failure, 0 if is_conflict(cause) else 1)
 
     async def _prefix(self, chunk: Sequence[InboxEvent]) -> int:
         result = await self._chunk(chunk, KEEP)
         if isinstance(result, _RetryAlone):
             # Cannot happen with deterministic handlers; treat as a fresh failure there.
-            if not await self._alone(chunk[result.index], 1, result.failure):
-                return result.index
-            return result.index + 1
+            return await self._retry_alone(chunk, result)
         return result
 
     def _handler(self, event: InboxEvent) -> Handler | None:
@@ -528,8 +584,15 @@ class PartitionProcessor:
                     await savepoint.commit()  # flushes: handler write errors surface here
                     processed += 1
                 except Exception as exc:
+                    if is_outage(exc):
+                        # Not the event's fault: the whole transaction rolls back (leaving
+                        # this block), and the run is tried again once the database is back.
+                        raise unavailable(exc) from exc
                     await savepoint.rollback()
                     failure = failures.classify(exc, self.config.error_message_chars)
+                    if is_conflict(exc):
+                        stop = _RetryAlone(index, failure, 0)
+                        break
                     if failure.retryable and self._max_attempts(event) > 1:
                         stop = _RetryAlone(index, failure)
                         break
@@ -558,13 +621,26 @@ class PartitionProcessor:
     # ------------------------------------------------------------- careful path
 
     async def _alone(
-        self, event: InboxEvent, prior: int, previous: Failure | str | None, *, charge: int = 0
+        self,
+        event: InboxEvent,
+        prior: int,
+        previous: Failure | str | None,
+        *,
+        charge: int = 0,
+        resume: bool = False,
     ) -> bool:
         """Handle one event in its own transactions, counting each attempt durably before
         it runs. ``prior`` attempts were already made, the last one failing with
         ``previous`` (a Failure seen in this process, or the text recorded in the marker).
         ``charge`` extra attempts are recorded durably with the first attempt only: they
-        count if this attempt kills the process. False if stopped before finishing."""
+        count if this attempt kills the process. ``resume``: the next attempt was begun
+        already and interrupted by the database (run it at once, as the same attempt).
+        False if stopped before finishing.
+
+        Database errors are judged by their SQLSTATE (``outbox/dberrors.py``) before the
+        handler's rules: an outage leaves (the lane backs off, the attempt is taken up
+        again afterwards, see :class:`_Interrupted`); a conflict runs the same attempt
+        again at once, up to ``CONFLICT_RETRIES`` times in a row."""
         if self._needs_policy(event):
             async with self.sessions() as session, session.begin():
                 dead = await self._dead.apply_policy(session, event)
@@ -579,25 +655,30 @@ class PartitionProcessor:
         if isinstance(previous, Failure) and (not previous.retryable or prior >= limit):
             await self._dead_letter_alone(event, previous, prior)
             return True
+        at_once = resume
+        conflicts = 0
         while True:
             if attempts >= limit:
                 failure = failures.crashed(attempts, last_error, self.config.error_message_chars)
                 await self._dead_letter_alone(event, failure, attempts)
                 return True
-            if attempts > 0:
+            if attempts > 0 and not at_once:
                 self.metrics.retries()
                 if await self._sleep(self.policy.backoff(attempts - 1)):
                     return False
-            attempts += 1
-            await self._mark(Marker(event.offset, event.offset, attempts + charge, last_error))
-            charge = 0
+            at_once = False
+            attempt = attempts + 1
+            marker = Marker(event.offset, event.offset, attempt + charge, last_error)
+            # Before the write: its outcome is unknown if the database goes meanwhile.
+            self._interrupted = _Interrupted(marker, attempts, last_error, charge)
+            await self._mark(marker)
             try:
                 async with self.sessions() as session, session.begin():
                     fresh = await self.store.claim(
-                        session, self.consumer, [event], attempts=attempts
+                        session, self.consumer, [event], attempts=attempt
                     )
                     if fresh:
-                        await self._run_handler(event, session, attempts)
+                        await self._run_handler(event, session, attempt)
                     else:
                         tracing.duplicate(event, self.consumer)
                     await self.store.finish_marker(
@@ -605,6 +686,25 @@ class PartitionProcessor:
                     )
                 self._finished()
             except Exception as exc:
+                if is_outage(exc):
+                    # Rolled back; not this event's fault. The lane backs off and, once the
+                    # database is back, the marker read again is this one: same attempt.
+                    raise unavailable(exc) from exc
+                if is_conflict(exc) and conflicts < CONFLICT_RETRIES:
+                    conflicts += 1
+                    at_once = True
+                    log.info(
+                        "handler transaction conflicted; running it again",
+                        extra={
+                            "consumer": self.consumer,
+                            "event_id": event.event_id,
+                            "attempt": attempt,
+                            "error": _database_cause(exc),
+                        },
+                    )
+                    continue  # the same attempt: neither attempts nor charge move
+                self._interrupted = None
+                attempts, charge = attempt, 0
                 failure = failures.classify(exc, self.config.error_message_chars)
                 log.info(
                     "handler failed",
@@ -619,6 +719,9 @@ class PartitionProcessor:
                     },
                 )
                 if not failure.retryable or attempts >= limit:
+                    # Should the database go while the dead letter is written, it is
+                    # written after the outage with this failure (not as a crash).
+                    self._interrupted = _Interrupted(marker, attempts, last_error, 0, failure)
                     await self._dead_letter_alone(event, failure, attempts)
                     return True
                 last_error = failure.text()
@@ -643,6 +746,13 @@ class PartitionProcessor:
         self._finished()
         self._count(0, int(not dead), int(dead), 0)
         await self._progress(event)
+
+
+def _database_cause(exc: BaseException) -> str:
+    """SQLSTATE and primary message of a database error (never the statement or its
+    parameters, which SQLAlchemy's own text carries)."""
+    sqlstate, message, _ = describe(exc)
+    return f"{message} [SQLSTATE {sqlstate}]" if sqlstate else message
 
 
 def _trace_duplicates(
@@ -751,6 +861,10 @@ async def _transaction(
         except Exception as exc:
             log.debug("transaction failed", extra={"error": type(exc).__name__})
             await _rollback(held, session)
+            if is_outage(exc):
+                # The database cannot work right now, whoever met it (a handler's own
+                # INSERT on a full disk included): no event is to blame, none is charged.
+                raise unavailable(exc) from exc
             raise _Stop(at, exc) from exc
     finally:
         await connections.give(held)

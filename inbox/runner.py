@@ -37,8 +37,7 @@ import psycopg
 from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
 from aiokafka.abc import ConsumerRebalanceListener
 from aiokafka.errors import CommitFailedError, IllegalStateError, KafkaError
-from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
-from sqlalchemy.exc import TimeoutError as PoolTimeout
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
 from inbox.app import Consumer, Decoder
@@ -46,12 +45,21 @@ from inbox.connections import Connections
 from inbox.event import InboxEvent
 from inbox.kafka import KafkaSink, dlq_producer, ensure_topics, start_dlq_producer
 from inbox.linger import FetchLinger
+from inbox.membership import (
+    Membership,
+    check_session_timeout,
+    is_fenced,
+    register_fenced_error,
+    session_refused,
+    static_options,
+)
 from inbox.metrics import Metrics
 from inbox.processor import PartitionProcessor, process_together
 from inbox.store import InboxStore
 from outbox import kafka_room
 from outbox.daemon import MetadataWatch, kafka_consumer, start_kafka, with_client_options
 from outbox.db import async_engine, unavailable
+from outbox.dberrors import is_transient
 from outbox.errors import BrokerUnavailable, DatabaseUnavailable, OutboxError
 from outbox.outages import Dependency
 from outbox.poolers import probe_session
@@ -73,16 +81,14 @@ END_OFFSETS_TIMEOUT_SECONDS = 5.0
 def _transient(exc: BaseException) -> bool:
     """Infrastructure trouble (database or broker unreachable): retry the batch without
     charging the events an attempt."""
+    # Database errors by the SQLSTATE table (outbox/dberrors.py): a read-only transaction or
+    # a full disk met by the consumer's own statements is an outage, whatever the driver's
+    # class; SQLAlchemy's errors, or psycopg's own from the hot path's statements
+    # (inbox/store.py); a pool with every connection busy for its whole timeout.
+    if is_transient(exc):
+        return True
     if isinstance(exc, OutboxError):
         return exc.retriable
-    # SQLAlchemy's, or psycopg's own from the hot path's statements (inbox/store.py); a
-    # pool with every connection busy for its whole timeout is a database too slow.
-    if isinstance(exc, OperationalError | InterfaceError | PoolTimeout):
-        return True
-    if isinstance(exc, psycopg.OperationalError | psycopg.InterfaceError):
-        return True
-    if isinstance(exc, DBAPIError):
-        return bool(exc.connection_invalidated)
     return isinstance(exc, KafkaError) and bool(getattr(exc, "retriable", False))
 
 
@@ -95,6 +101,9 @@ class _Listener(ConsumerRebalanceListener):  # type: ignore[misc]
 
     async def on_partitions_assigned(self, assigned: Sequence[TopicPartition]) -> None:
         self._daemon._assigned.update(assigned)
+        membership = self._daemon._membership
+        if membership is not None and (duplicate := membership.joined()) is not None:
+            self._daemon._failure = self._daemon._failure or duplicate
         log.info("partitions assigned", extra={"partitions": sorted(str(tp) for tp in assigned)})
 
 
@@ -125,6 +134,9 @@ class ConsumerDaemon:
     # End offsets of paused partitions, asked for by the Kafka check (see module docstring).
     _end_offsets: dict[TopicPartition, int] = field(default_factory=dict, init=False)
     _sharer: asyncio.Task[None] | None = field(default=None, init=False)
+    # Static membership (inbox/membership.py): set when an instance id is.
+    _membership: Membership | None = field(default=None, init=False)
+    _session_timeout_ms: int = field(default=10_000, init=False)  # aiokafka's default
 
     def __post_init__(self) -> None:
         self.settings = self.settings.for_consumer()  # its own URL, when one is set
@@ -155,11 +167,17 @@ class ConsumerDaemon:
         settings = with_client_options(self.settings, self.app.kafka_options)
         if not await self._topics_ready(settings, stop):
             return
+        register_fenced_error()
         options: dict[str, Any] = {
             "auto_offset_reset": "earliest",
             "max_poll_records": config.max_batch_records,
+            **static_options(self.settings, self.app.kafka_options),
             **self.app.kafka_options,
         }
+        # As the consumer will have it (OUTBOX_KAFKA__OPTIONS reach it through _build).
+        self._session_timeout_ms = options.get(
+            "session_timeout_ms", settings.kafka.options.get("session_timeout_ms", 10_000)
+        )
         kafka = kafka_consumer(
             settings, group_id=self.app.name, enable_auto_commit=False, **options
         )
@@ -187,13 +205,21 @@ class ConsumerDaemon:
         try:
             await start_kafka(producer, settings)
             await start_kafka(kafka, settings)
+            if (instance_id := options.get("group_instance_id")) is not None:
+                heartbeat = options.get("heartbeat_interval_ms")
+                heartbeat = heartbeat or settings.kafka.options.get("heartbeat_interval_ms", 3000)
+                self._membership = Membership(kafka, self.app.name, instance_id, heartbeat)
             kafka.subscribe(list(self.app.topics), listener=_Listener(self))
             self._watcher = asyncio.create_task(self._watch_kafka(kafka))
             self._watcher.add_done_callback(self._watch)
             self._running = True
             log.info(
                 "consumer started",
-                extra={"consumer": self.app.name, "topics": list(self.app.topics)},
+                extra={
+                    "consumer": self.app.name,
+                    "topics": list(self.app.topics),
+                    "group_instance_id": options.get("group_instance_id"),
+                },
             )
             await self._loop(stop, sessions, sink, self._linger(kafka))
         finally:
@@ -207,7 +233,9 @@ class ConsumerDaemon:
                 closing.push_async_callback(self._engine.dispose)
                 closing.push_async_callback(self._connections.close)
                 closing.push_async_callback(sink.stop)
-                closing.push_async_callback(kafka.stop)  # leaves the group: partitions move
+                # Leaves the group: partitions move. A static member stays in it (no
+                # LeaveGroup): its partitions wait for the same instance id to return.
+                closing.push_async_callback(kafka.stop)
                 if self._sharer is not None:
                     closing.callback(self._sharer.cancel)
                 closing.push_async_callback(self.release, list(self._lanes))
@@ -273,6 +301,9 @@ class ConsumerDaemon:
         while True:
             try:
                 await ensure_topics(settings, self.app.topics)
+                static = static_options(self.settings, self.app.kafka_options)
+                if "session_timeout_ms" in static:
+                    await check_session_timeout(settings, static["session_timeout_ms"])
                 self.kafka.ok()
                 return True
             except BrokerUnavailable as exc:
@@ -370,9 +401,18 @@ class ConsumerDaemon:
         next_sweep = time.monotonic() + rest / 2
         try:
             while not stop.is_set() and self._failure is None:
-                batches = await self._kafka.getmany(
-                    timeout_ms=config.fetch_timeout_ms, max_records=config.max_batch_records * 4
-                )
+                try:
+                    batches = await self._kafka.getmany(
+                        timeout_ms=config.fetch_timeout_ms,
+                        max_records=config.max_batch_records * 4,
+                    )
+                except KafkaError as exc:
+                    if self._membership is not None and self._membership.survives(exc):
+                        continue  # fenced by a newcomer with this instance id: join again
+                    refusal = self._group_refusal(exc)
+                    if refusal is None:
+                        raise
+                    raise refusal from exc  # the broker's error name stays the cause
                 linger.fetched(bool(batches))
                 if batches:
                     self.kafka.ok()  # records arrived: Kafka is back (if it was gone)
@@ -395,6 +435,13 @@ class ConsumerDaemon:
             # Awaited, so that a commit it had under way is pending again for release().
             committer.cancel()
             await asyncio.gather(committer, return_exceptions=True)
+
+    def _group_refusal(self, exc: KafkaError) -> OutboxError | None:
+        """A group error no retry can fix, as a configuration error (exit 2): a duplicate
+        instance id, a session timeout the brokers refuse."""
+        if self._membership is not None and is_fenced(exc):
+            return self._membership.duplicate(f"Kafka: {exc}")
+        return session_refused(exc, self._session_timeout_ms, self._membership is not None)
 
     def _lane(
         self,

@@ -33,6 +33,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 
 from inbox.event import InboxEvent
 from outbox.errors import OutboxError
+from outbox.ops.deadletters import DeadLetter, DeadLetterFilter, DeadLetterGroup
 from outbox.tables import Tables
 
 Executor = AsyncSession | AsyncConnection
@@ -57,38 +58,7 @@ class Marker:
     last_error: str | None
 
 
-@dataclass(frozen=True)
-class DeadLetter:
-    consumer: str
-    event_id: str
-    topic: str
-    partition: int
-    offset: int
-    event_type: str | None
-    key: bytes | None
-    value: bytes | None
-    headers: tuple[tuple[str, bytes], ...]
-    error_class: str
-    error_message: str
-    attempts: int
-    dlq_topic: str
-    dlq_partition: int | None
-    dlq_offset: int | None
-    dlq_refused: str | None  # the topic refused the record as too large (kept here only)
-    dead_lettered_at: dt.datetime
-    replays: int
-    replayed_at: dt.datetime | None
-    inbox_status: str | None
-
-
-@dataclass(frozen=True)
-class DeadLetterFilter:
-    consumer: str | None = None
-    event_id: str | None = None
-    topic: str | None = None
-    event_type: str | None = None
-    error_class: str | None = None
-    before: dt.datetime | None = None
+_UUID = "[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}"
 
 
 def _name(table: Table) -> sql.Identifier:
@@ -396,13 +366,89 @@ class InboxStore:
                 query = query.where(col == value)
         if f.before is not None:
             query = query.where(t.c.dead_lettered_at < f.before)
+        if f.after is not None:
+            query = query.where(t.c.dead_lettered_at >= f.after)
+        if f.group is not None:
+            query = query.where(func.md5(self._error_pattern()) == f.group)
+        if f.keys is not None:
+            query = query.where(tuple_(t.c.consumer, t.c.event_id).in_(list(f.keys) or [("", "")]))
         return query
 
+    def _error_pattern(self) -> Any:
+        """The error class and its message with the parts that differ per event blanked:
+        UUIDs, then hex ids of 8+ digits, then numbers; cut at 200 characters."""
+        t = self.tables.dead_letters
+        message = func.left(t.c.error_message, 200)
+        for pattern, blank in (
+            (_UUID, "<uuid>"),
+            ("\\m(?=[0-9a-fA-F]*[0-9])[0-9a-fA-F]{8,}\\M", "<hex>"),
+            ("[0-9]+", "<n>"),
+        ):
+            message = func.regexp_replace(message, pattern, blank, "g")
+        return t.c.error_class + ": " + message
+
+    async def dead_letter_groups(
+        self, db: Executor, f: DeadLetterFilter, limit: int = 100
+    ) -> list[DeadLetterGroup]:
+        """The filtered dead letters grouped by :class:`DeadLetterGroup`, largest first."""
+        t = self.tables.dead_letters
+        pattern = self._error_pattern().label("pattern")
+        inner = (
+            self._dead_letter_query(f)
+            .with_only_columns(t.c.consumer, t.c.error_class, t.c.dead_lettered_at, pattern)
+            .subquery()
+        )
+        query = (
+            select(
+                func.md5(inner.c.pattern),
+                func.min(inner.c.error_class),
+                inner.c.pattern,
+                func.count(),
+                func.array_agg(func.distinct(inner.c.consumer)),
+                func.min(inner.c.dead_lettered_at),
+                func.max(inner.c.dead_lettered_at),
+            )
+            .group_by(inner.c.pattern)
+            .order_by(func.count().desc(), inner.c.pattern)
+            .limit(limit)
+        )
+        rows = (await db.execute(query)).all()
+        return [
+            DeadLetterGroup(g, cls, p.split(": ", 1)[-1], int(n), tuple(c), first, last)
+            for g, cls, p, n, c, first, last in rows
+        ]
+
+    async def count_dead_letters(self, db: Executor, f: DeadLetterFilter) -> int:
+        query = self._dead_letter_query(f).with_only_columns(func.count())
+        return int((await db.execute(query)).scalar_one())
+
+    async def dead_letters_by_day(self, db: Executor, days: int) -> list[tuple[dt.date, int]]:
+        """Dead letters per day (database clock) over the last ``days`` days, oldest first."""
+        t = self.tables.dead_letters
+        day = func.date_trunc("day", t.c.dead_lettered_at).label("day")
+        query = (
+            select(day, func.count())
+            .where(t.c.dead_lettered_at >= func.now() - dt.timedelta(days=days))
+            .group_by(day)
+            .order_by(day)
+        )
+        return [(d.date(), int(n)) for d, n in (await db.execute(query)).all()]
+
     async def dead_letters(
-        self, db: Executor, f: DeadLetterFilter, limit: int | None = None
+        self,
+        db: Executor,
+        f: DeadLetterFilter,
+        limit: int | None = None,
+        offset: int = 0,
+        newest_first: bool = False,
     ) -> list[DeadLetter]:
         t = self.tables.dead_letters
-        query = self._dead_letter_query(f).order_by(t.c.dead_lettered_at, t.c.event_id)
+        order = (
+            (t.c.dead_lettered_at.desc(), t.c.event_id.desc())
+            if newest_first
+            else (t.c.dead_lettered_at, t.c.event_id)
+        )
+        query = self._dead_letter_query(f).order_by(*order).offset(offset or None)
         if limit is not None:
             query = query.limit(limit)
         out = []

@@ -12,6 +12,7 @@ from sqlalchemy import Engine, create_engine
 from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
+from outbox.dberrors import OUTAGE, REFUSED, sqlstate_trouble, trouble
 from outbox.errors import DatabaseRefused, DatabaseUnavailable, SchemaMissing
 from outbox.settings import OutboxSettings
 
@@ -122,10 +123,10 @@ def describe(exc: BaseException) -> tuple[str | None, str, bool]:
     orig = getattr(exc, "orig", exc)
     if isinstance(orig, psycopg.Error) and orig.sqlstate:
         primary = orig.diag.message_primary or type(orig).__name__
-        # Only a refused login or an unknown database is configuration; anything else the
-        # server says on a live connection (serialization, lock timeout, shutdown) is worth
-        # another try.
-        refused = orig.sqlstate.startswith("28") or orig.sqlstate == "3D000"
+        # Only what the SQLSTATE table calls refused (a login, an unknown database) is
+        # configuration; anything else the server says on a live connection (a full disk,
+        # serialization, lock timeout, shutdown) is worth another try.
+        refused = sqlstate_trouble(orig.sqlstate) is REFUSED
         return orig.sqlstate, _scrub(primary), not refused
     if isinstance(orig, psycopg.OperationalError | psycopg.InterfaceError):
         message = _connect_message(orig)
@@ -157,10 +158,13 @@ def translate(exc: BaseException) -> BaseException:
         return SchemaMissing(f"outbox schema missing ({orig.diag.message_primary})")
     if isinstance(orig, psycopg.errors.InvalidCatalogName):  # a ProgrammingError
         return unavailable(orig)
+    # Every outage of the SQLSTATE table (outbox/dberrors.py: a read-only transaction is
+    # an InternalError to the driver), and the driver's operational errors as before.
     if (
         isinstance(exc, OperationalError)
         or (isinstance(exc, DBAPIError) and exc.connection_invalidated)
         or isinstance(orig, psycopg.OperationalError)
+        or trouble(exc) is OUTAGE
     ):
         return unavailable(orig)
     return exc

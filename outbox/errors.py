@@ -17,6 +17,10 @@ class OutboxError(Exception):
     retriable: bool = False
 
 
+class NotFound(OutboxError):
+    """An operator named something that does not exist (a dead letter, an effect)."""
+
+
 class ConfigurationError(OutboxError):
     """Settings are invalid (bad DSN, bad identifier, impossible limits)."""
 

@@ -1,6 +1,6 @@
 """Least-privilege PostgreSQL roles, one per job (``outbox db sql --roles``).
 
-The script creates four NOLOGIN group roles and grants each what its job needs on the
+The script creates five NOLOGIN group roles and grants each what its job needs on the
 framework's tables of the configured schema and prefix; login users are then made members
 (``CREATE ROLE billing_relay LOGIN PASSWORD ... IN ROLE outbox_relay``). Migrations keep
 running as the tables' owner. Advisory locks (the relay's lanes) need no grant.
@@ -20,6 +20,9 @@ running as the tables' owner. Advisory locks (the relay's lanes) need no grant.
   the outbox for ``failed retry``; membership in ``pg_read_all_stats`` where the script's
   runner may grant it, so that ``doctor`` can show the state and query of a session that
   holds back VACUUM (without it PostgreSQL shows only its pid and application name).
+* viewer — reads everything and changes nothing: the read-only console (``outbox console``
+  without ``--allow-actions``), ``lag``, ``doctor``, the listings; ``pg_read_all_stats``
+  like the operator.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from outbox.migrations.naming import version_table
 from outbox.settings import OutboxSettings
 from outbox.tables import build_tables
 
-JOBS = ("producer", "relay", "consumer", "operator")
+JOBS = ("producer", "relay", "consumer", "operator", "viewer")
 _PREPARER = postgresql.dialect().identifier_preparer  # type: ignore[no-untyped-call]
 # Columns publish() reads back (fingerprint check and the mismatch report).
 _PRODUCER_READS = (
@@ -98,6 +101,9 @@ def roles_sql(settings: OutboxSettings, role_prefix: str | None = None) -> str:
         f"TO {r['operator']};",
         f"GRANT INSERT ON {tables('events')} TO {r['operator']};",
         _grant_membership("pg_read_all_stats", roles["operator"]),
+        "-- viewer",
+        f"GRANT SELECT ON {', '.join(table(n) for n in every_table)} TO {r['viewer']};",
+        _grant_membership("pg_read_all_stats", roles["viewer"]),
         "COMMIT;",
     ]
     return "\n".join(lines) + "\n"

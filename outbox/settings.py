@@ -70,7 +70,9 @@ class RelaySettings(_Section):
         ge=1,
         le=16,
         description="Concurrent claim->publish->ack loops per relay, each on its own share "
-        "of the owned lanes (one claims while another waits for Kafka acks).",
+        "of the owned lanes under a backlog (one claims while another waits for Kafka acks); "
+        "while claims are small the first one claims every lane and the others wait, so a "
+        "light stream costs one claim per poll, not one per pipeline.",
     )
     poll_interval_seconds: float = Field(
         0.2, gt=0, description="Longest sleep between polls when the outbox is empty."
@@ -146,6 +148,40 @@ class RelaySettings(_Section):
         "included) count against it until Kafka answers. Peak memory is about the idle "
         "footprint plus twice this.",
     )
+
+
+HOSTNAME_FIELD = "{hostname}"
+# Kafka takes any string as a group instance id; a template is checked against this so that
+# a mistyped field (`{host}`, a lone brace) or a space is refused before anything starts.
+_INSTANCE_ID_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
+_INSTANCE_ID_MAX = 249  # like a topic name: fits in logs, metrics and Kafka's tools
+
+
+def check_instance_id(value: str, where: str = "group_instance_id") -> None:
+    """Refuse an empty, too long or oddly spelled instance id (ValueError, for pydantic)."""
+    if not value:
+        raise ValueError(f"{where} makes an empty group instance id")
+    if len(value) > _INSTANCE_ID_MAX:
+        raise ValueError(f"group instance id is longer than {_INSTANCE_ID_MAX} characters")
+    bad = sorted(set(value) - _INSTANCE_ID_CHARS)
+    if bad:
+        shown = " ".join(repr(c) for c in bad)
+        raise ValueError(
+            f"group instance id may use letters, digits, '.', '_' and '-' only ({where} "
+            f"brings {shown})"
+        )
+
+
+def check_instance_template(template: str) -> None:
+    """A group_instance_id value: literal characters and at most the field ``{hostname}``."""
+    rest = template.replace(HOSTNAME_FIELD, "")
+    if "{" in rest or "}" in rest:
+        raise ValueError(
+            "group_instance_id may contain only the field {hostname} (e.g. "
+            "'{hostname}' or 'orders-{hostname}'); other braces are not allowed"
+        )
+    # The host name is checked once known (instance_id()); here only the literal part.
+    check_instance_id(template.replace(HOSTNAME_FIELD, "h"), "group_instance_id")
 
 
 class ConsumerSettings(_Section):
@@ -231,6 +267,46 @@ class ConsumerSettings(_Section):
     error_message_chars: int = Field(
         500, ge=16, description="Error messages in dead-letter headers are cut to this length."
     )
+    group_instance_id: str | None = Field(
+        None,
+        description="Static group membership (KIP-345): this member's id in the consumer "
+        "group, unique per process and stable across its restarts. A member that stops and "
+        "returns under the same id within static_session_timeout_ms triggers no rebalance: "
+        "the other members never stop. `{hostname}` is replaced by the host name, so one "
+        "value serves every pod of a StatefulSet (`{hostname}` -> `orders-consumer-2`). "
+        "Unset: dynamic membership (every start and stop rebalances the group).",
+    )
+    static_session_timeout_ms: int = Field(
+        45_000,
+        ge=1000,
+        le=3_600_000,
+        description="Group session timeout while group_instance_id is set: how long a "
+        "stopped member keeps its partitions (unread) before Kafka gives them to others. "
+        "Longer than a restart; at most the brokers' group.max.session.timeout.ms "
+        "(checked at start). Dynamic members keep aiokafka's 10 s.",
+    )
+
+    @field_validator("group_instance_id")
+    @classmethod
+    def _check_instance_id(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        check_instance_template(value)
+        return value
+
+    def instance_id(self, hostname: str) -> str | None:
+        """group_instance_id with ``{hostname}`` replaced (None: dynamic membership)."""
+        if self.group_instance_id is None:
+            return None
+        resolved = self.group_instance_id.replace(HOSTNAME_FIELD, hostname)
+        try:
+            check_instance_id(resolved, f"the host name {hostname!r}")
+        except ValueError as exc:
+            raise ConfigurationError(
+                f"consumer.group_instance_id: {exc}; set OUTBOX_CONSUMER__GROUP_INSTANCE_ID "
+                "without {hostname}"
+            ) from None
+        return resolved
 
 
 class TopicSettings(_Section):
@@ -251,6 +327,26 @@ class TopicSettings(_Section):
         le=32,
         description="Replication factor of created topics, capped by the brokers in the "
         "cluster (a one-broker cluster gets 1).",
+    )
+
+
+class ConsoleSettings(_Section):
+    """The operator console (``outbox console``)."""
+
+    token: SecretStr | None = Field(
+        None,
+        description="Bearer token the console requires (header `Authorization: Bearer ...` "
+        "or the login form); mandatory to bind anything but 127.0.0.1/localhost.",
+    )
+    token_name: str = Field(
+        "operator",
+        min_length=1,
+        max_length=64,
+        pattern=r"^[A-Za-z0-9_.@-]+$",
+        description="Who holds the token: the name audit lines give for its actions.",
+    )
+    sample_seconds: float = Field(
+        15.0, gt=0, le=3600, description="How often the console samples lag for its chart."
     )
 
 
@@ -422,6 +518,7 @@ class OutboxSettings(BaseSettings):
     consumer: ConsumerSettings = ConsumerSettings()
     topics: TopicSettings = TopicSettings()
     idempotency: IdempotencySettings = IdempotencySettings()
+    console: ConsoleSettings = ConsoleSettings()
 
     @field_validator("database_url")
     @classmethod

@@ -24,6 +24,7 @@ from typing import Any
 import psycopg
 
 from outbox.db import unavailable, unprepared_connection
+from outbox.dberrors import is_transient
 from outbox.errors import DatabaseUnavailable, SchemaMissing
 from outbox.outages import Dependency
 from outbox.resilience.retry import RetryPolicy
@@ -79,7 +80,9 @@ class HorizonWatch:
                 failures = 0
             except psycopg.errors.UndefinedTable as exc:
                 raise SchemaMissing(f"relay table missing ({exc.diag.message_primary})") from None
-            except (psycopg.OperationalError, psycopg.InterfaceError, DatabaseUnavailable) as exc:
+            except (psycopg.Error, DatabaseUnavailable) as exc:
+                if not is_transient(exc):  # the SQLSTATE table: a read-only switch too
+                    raise
                 # Readings are facts whatever the gap between them: nothing to forget.
                 self._database.failed(unavailable(exc))
                 await self._close()

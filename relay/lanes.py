@@ -40,6 +40,7 @@ from typing import Any
 import psycopg
 
 from outbox.db import unavailable, unprepared_connection
+from outbox.dberrors import is_transient
 from outbox.errors import DatabaseUnavailable, PoolerUnsupported, SchemaMissing
 from outbox.outages import Dependency
 from outbox.poolers import SessionProbe, probe_session, refusal
@@ -207,7 +208,9 @@ class LaneManager:
                 delay = self._settings.relay.heartbeat_seconds
             except psycopg.errors.UndefinedTable as exc:
                 raise SchemaMissing(f"relay table missing ({exc.diag.message_primary})") from None
-            except (psycopg.OperationalError, psycopg.InterfaceError, DatabaseUnavailable) as exc:
+            except (psycopg.Error, DatabaseUnavailable) as exc:
+                if not is_transient(exc):  # the SQLSTATE table: a read-only switch too
+                    raise
                 # Lanes are released until the connection is back (their locks died with it).
                 self.database.failed(unavailable(exc))
                 self._metrics.errors.labels(type(exc).__name__).inc()

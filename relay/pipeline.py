@@ -31,6 +31,7 @@ from typing import Any
 import psycopg
 
 from outbox.db import unavailable, unprepared_connection
+from outbox.dberrors import is_transient
 from outbox.errors import ConfigurationError, DatabaseUnavailable, SchemaMissing, TopicMissing
 from outbox.resilience.retry import RetryPolicy
 from outbox.settings import OutboxSettings
@@ -128,11 +129,15 @@ class Pipeline:
                     claimed = await self._batch(lanes)
                     db_failures = 0
                     self._database.ok()
-                except (
-                    psycopg.OperationalError,
-                    psycopg.InterfaceError,
-                    DatabaseUnavailable,
-                ) as exc:
+                except psycopg.errors.UndefinedTable as exc:
+                    raise SchemaMissing(
+                        f"relay table missing ({exc.diag.message_primary})"
+                    ) from None
+                except (psycopg.Error, DatabaseUnavailable) as exc:
+                    # By the SQLSTATE table (outbox/dberrors.py): a full disk or a read-only
+                    # switch is an outage like a lost connection, never a row's fault.
+                    if not is_transient(exc):
+                        raise
                     # Whatever the batch held was rolled back by PostgreSQL; rows are pending
                     # again and are re-sent (at-least-once), so nothing is lost.
                     self._database.failed(unavailable(exc))
@@ -141,15 +146,12 @@ class Pipeline:
                     await sleep_unless(stopping, self._db_retry.backoff(db_failures))
                     db_failures += 1
                     continue
-                except psycopg.errors.UndefinedTable as exc:
-                    raise SchemaMissing(
-                        f"relay table missing ({exc.diag.message_primary})"
-                    ) from None
                 now = loop.time()
                 # The short interval runs from the start of one claim to the next: the time
                 # a batch spent waiting for acks already counts towards it.
                 short = started + r.min_poll_interval_seconds - now
                 if claimed > 0:
+                    self._crew.settled(now - started)
                     last_rows, idle = now, r.min_poll_interval_seconds
                     if claimed < r.batch_size and short > 0:
                         await sleep_unless(stopping, short)

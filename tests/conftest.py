@@ -21,6 +21,7 @@ from outbox.settings import OutboxSettings
 from tests.support import kafka as kafka_support
 from tests.support.pgbouncer import PgBouncer, PgBouncerFailed, pgbouncer
 from tests.support.services import Endpoints, Secured, ServiceUnavailable, endpoints
+from tests.support.tables import own_tables
 
 
 @pytest.fixture(scope="session")
@@ -108,9 +109,7 @@ def settings(base_settings: OutboxSettings) -> OutboxSettings:
 @pytest.fixture
 def isolated_settings(base_settings: OutboxSettings) -> OutboxSettings:
     """Settings with tables of their own (a fresh table prefix, migrated) for one test."""
-    s = base_settings.model_copy(update={"table_prefix": f"t{uuid.uuid4().hex[:8]}_"})
-    migrate.upgrade(s)
-    return s
+    return own_tables(base_settings)
 
 
 @pytest.fixture(scope="session")

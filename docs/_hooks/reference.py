@@ -40,9 +40,10 @@ GENERATORS = {
     "settings": settings_doc.reference_markdown,
     "cli": reference.cli_markdown,
     "errors": reference.errors_markdown,
+    "database-errors": reference.database_errors_markdown,
     "alerts": alerts_markdown,
 }
-_MARK = re.compile(r"^<!-- generated: (\w+) -->$", re.M)
+_MARK = re.compile(r"^<!-- generated: ([\w-]+) -->$", re.M)
 
 
 def on_page_markdown(markdown: str, **_: Any) -> str:

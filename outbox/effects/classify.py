@@ -1,7 +1,9 @@
 """Three failure classes for a call with an external effect: retryable, permanent, ambiguous.
 
 * **retryable** — provably without effect: the request was never sent or the server said it
-  did not process it (connection refused, DNS failure, connect timeout, 408, 425, 429, 503).
+  did not process it (connection refused, DNS failure, connect timeout, 408, 425, 429, 503;
+  a database that answered with an outage or a conflict of the SQLSTATE table, such as a
+  full disk or a deadlock: its transaction did not commit).
   Retried with the same key under the retry policy, budget and breaker.
 * **permanent** — will fail the same way every time: 4xx validation and auth answers
   (400, 401, 403, 404, 409, 422, ...) and programming errors (``ValueError``,
@@ -25,6 +27,10 @@ import json
 import socket
 from collections.abc import Callable
 
+import psycopg
+from sqlalchemy.exc import DBAPIError
+
+from outbox.dberrors import DbTrouble, trouble
 from outbox.errors import OutboxError
 from outbox.resilience.classify import status_of
 
@@ -94,11 +100,25 @@ def _not_sent(exc: BaseException) -> bool:
     return any(cls.__name__ in _NOT_SENT_NAMES for cls in type(exc).__mro__)
 
 
+def _database_refused_work(exc: BaseException) -> bool:
+    """A database answered with an outage or a conflict of the SQLSTATE table
+    (``outbox/dberrors.py``: a full disk, a read-only switch, a shutdown, a deadlock): the
+    statement failed and its transaction did not commit, so nothing was applied. A
+    connection lost with no answer (no SQLSTATE) may have carried a COMMIT, and stays
+    ambiguous."""
+    orig = getattr(exc, "orig", None) if isinstance(exc, DBAPIError) else exc
+    if not isinstance(orig, psycopg.Error) or not orig.sqlstate:
+        return False
+    return trouble(exc) in (DbTrouble.OUTAGE, DbTrouble.CONFLICT)
+
+
 def classify(exc: BaseException) -> EffectClass:
     """The default classification (see the module docstring for the rules)."""
     declared = _declared(exc)
     if declared is not None:
         return declared
+    if _database_refused_work(exc):
+        return EffectClass.RETRYABLE
     status = status_of(exc)
     if status is not None and status >= 400:
         return classify_status(status)

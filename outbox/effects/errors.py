@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from outbox.errors import OutboxError
+from outbox.errors import NotFound, OutboxError
 
 
 class EffectError(OutboxError):
@@ -85,7 +85,7 @@ class EffectResultInvalid(EffectError):
         )
 
 
-class EffectNotFound(EffectError):
+class EffectNotFound(EffectError, NotFound):
     """No ledger record has this key (operators' ``show``/``resolve``)."""
 
     def __init__(self, key: str) -> None:

@@ -67,6 +67,7 @@ from sqlalchemy.sql import Executable
 from outbox import tracing
 from outbox.canonical import idempotency_key, sha256_hex
 from outbox.db import translated_errors
+from outbox.dberrors import is_outage
 from outbox.effects.classify import Classifier, EffectClass, classifier
 from outbox.effects.errors import (
     EffectConflict,
@@ -464,6 +465,11 @@ class Effects:
             answer = yield _RECONCILE
         except Exception as exc:
             self.metrics.reconciliations.labels("error").inc()
+            if is_outage(exc):
+                # The database could not answer: that says nothing about the effect, so
+                # the key is not parked. Its record stays pending under its lease (nothing
+                # of this transaction commits); the next caller reconciles again.
+                raise
             detail = f"reconcile failed: {describe(exc)}"
             yield _Sql(store.mark_unknown, store.error_params(e.key, detail))
             yield _COMMIT
@@ -514,13 +520,7 @@ class Effects:
         if invalid is not None:
             raise invalid
         with translated_errors(), engine.begin() as conn:
-            row = conn.execute(store.read_unlocked_only, store.key_params(key)).first()
-            if row is None:
-                if conn.execute(store.exists, store.key_params(key)).first() is None:
-                    raise EffectNotFound(key)
-                raise EffectInProgress(key)  # its caller holds it right now
-            if not (row.state == UNKNOWN or (row.state == PENDING and not row.lease_live)):
-                raise EffectNotResolvable(key, row.state)
+            self._resolvable(conn, key)
             if applied:
                 conn.execute(store.finish_done, store.outcome_params(key, stored, False))
             else:
@@ -528,6 +528,28 @@ class Effects:
         log.warning(
             "effect %s resolved by an operator as %s", key, "applied" if applied else "not applied"
         )
+
+    def give_up(self, engine: Engine, key: str, reason: str = "given up by an operator") -> None:
+        """Settle an ``unknown`` effect (or a ``pending`` one whose caller died) as failed
+        for good: callers with this key get the stored failure replayed and never call the
+        dependency again (until the record expires)."""
+        store = self._store
+        error = {"type": "GivenUp", "message": reason[:_MESSAGE_LIMIT], "status": None}
+        with translated_errors(), engine.begin() as conn:
+            self._resolvable(conn, key)
+            conn.execute(store.finish_failed, store.outcome_params(key, error, False))
+        log.warning("effect %s given up by an operator", key)
+
+    def _resolvable(self, conn: Any, key: str) -> None:
+        """Lock ``key``'s record for an operator's verdict, or raise why it cannot have one."""
+        store = self._store
+        row = conn.execute(store.read_unlocked_only, store.key_params(key)).first()
+        if row is None:
+            if conn.execute(store.exists, store.key_params(key)).first() is None:
+                raise EffectNotFound(key)
+            raise EffectInProgress(key)  # its caller holds it right now
+        if not (row.state == UNKNOWN or (row.state == PENDING and not row.lease_live)):
+            raise EffectNotResolvable(key, row.state)
 
     # -- sync ------------------------------------------------------------------------------
     def run(

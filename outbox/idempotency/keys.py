@@ -62,6 +62,7 @@ from sqlalchemy.sql import Executable
 from outbox import tracing
 from outbox.canonical import canonical_json, sha256_hex
 from outbox.db import translated_errors
+from outbox.dberrors import DbTrouble, trouble
 from outbox.errors import OutboxError
 from outbox.idempotency.errors import (
     IdempotencyConflict,
@@ -324,8 +325,12 @@ class IdempotencyKeys:
         """The response stored for an operation that raised ``exc``, or None when the
         failure is transient (the key is released). The exception decides, by
         :func:`outbox.resilience.classify.is_retryable`; a permanent one is stored whatever
-        its status."""
-        return None if is_retryable(exc) else self._failure_response(exc)
+        its status. A database outage or conflict (the SQLSTATE table,
+        ``outbox/dberrors.py``) is always transient: a full disk is never the request's
+        fault, and is never stored as its answer."""
+        if trouble(exc) in (DbTrouble.OUTAGE, DbTrouble.CONFLICT) or is_retryable(exc):
+            return None
+        return self._failure_response(exc)
 
     def _settle_step(self, claim: _Claim, response: StoredResponse | None) -> _Step:
         if response is None:

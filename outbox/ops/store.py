@@ -184,6 +184,14 @@ class OpsStore:
         )
 
     @cached_property
+    def failed_by_day(self) -> Select[Any]:
+        """Rows moved to the failed table per day (database clock) since ``:days`` ago."""
+        f = self.tables.failed
+        day = func.date_trunc("day", f.c.failed_at).label("day")
+        since = func.now() - func.make_interval(0, 0, 0, bindparam("days"))
+        return select(day, func.count()).where(f.c.failed_at >= since).group_by(day).order_by(day)
+
+    @cached_property
     def failed_by_topic(self) -> Select[Any]:
         f = self.tables.failed
         return select(f.c.topic, func.count().label("failed")).group_by(f.c.topic)

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import uuid
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -77,6 +78,48 @@ class Cli:
             return subprocess.Popen(
                 self.command(*args), cwd=ROOT, env=self.env, stdout=sink, stderr=subprocess.STDOUT
             )
+
+
+@dataclass(frozen=True)
+class Daemons:
+    """``outbox relay`` and ``outbox consume APP`` running, each logging to its own file."""
+
+    logs: dict[str, Path]
+    procs: dict[str, subprocess.Popen[bytes]]
+
+    def alive(self) -> bool:
+        return all(p.poll() is None for p in self.procs.values())
+
+    def dump(self) -> str:
+        return "\n".join(
+            f"--- {name}\n{path.read_text(errors='replace')[-3000:]}"
+            for name, path in self.logs.items()
+        )
+
+
+@contextmanager
+def relay_and_consumer(
+    cli: Cli, app: str, topic: str, partitions: int, logs_dir: Path
+) -> Iterator[Daemons]:
+    """Ensure ``topic`` (and the app's dead-letter topic), start both daemons, and stop
+    them afterwards (terminated; killed if they do not stop within 30 s)."""
+    ensured = cli("topics", "ensure", "--topic", f"{topic}:{partitions}", "--app", app)
+    assert ensured.returncode == 0, ensured.stdout + ensured.stderr
+    logs = {name: logs_dir / f"{name}.log" for name in ("relay", "consumer")}
+    procs = {
+        "relay": cli.popen("relay", log=logs["relay"]),
+        "consumer": cli.popen("consume", app, log=logs["consumer"]),
+    }
+    try:
+        yield Daemons(logs, procs)
+    finally:
+        for proc in procs.values():
+            proc.terminate()
+        for proc in procs.values():
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
 
 
 @pytest.fixture(scope="session")

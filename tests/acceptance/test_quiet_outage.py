@@ -10,7 +10,6 @@ the failure message with everything else).
 from __future__ import annotations
 
 import asyncio
-import subprocess
 import time
 import uuid
 from collections.abc import Iterator
@@ -21,7 +20,7 @@ from sqlalchemy import Engine, func, select
 
 from outbox.settings import OutboxSettings
 from outbox.tables import build_tables
-from tests.acceptance.conftest import ROOT, Cli, SchemaFactory
+from tests.acceptance.conftest import ROOT, Cli, SchemaFactory, relay_and_consumer
 from tests.support.kafka import ServicesFailed, private_broker
 from tests.support.relay import publish_numbered
 
@@ -91,14 +90,8 @@ async def test_a_30s_broker_outage_writes_at_most_6_lines_per_daemon(
             ("OUTBOX_RETRY__CAP_SECONDS", "3"),
         ),
     )
-    ensured = cli("topics", "ensure", "--topic", f"{topic}:3", "--app", f"{module}:app")
-    assert ensured.returncode == 0, ensured.stdout + ensured.stderr
-    logs = {name: tmp_path / f"{name}.log" for name in ("relay", "consumer")}
-    daemons = {
-        "relay": cli.popen("relay", log=logs["relay"]),
-        "consumer": cli.popen("consume", f"{module}:app", log=logs["consumer"]),
-    }
-    try:
+    with relay_and_consumer(cli, f"{module}:app", topic, 3, tmp_path) as daemons:
+        logs = daemons.logs
         publish_numbered(acceptance_engine, settings, topic, 200, keys=10)
         assert await _wait_handled(acceptance_engine, settings, group, 200, 60) == 200, _dump(logs)
         await asyncio.sleep(2)
@@ -107,19 +100,11 @@ async def test_a_30s_broker_outage_writes_at_most_6_lines_per_daemon(
         down_at = time.monotonic()
         publish_numbered(acceptance_engine, settings, topic, 200, keys=10, start=200)
         await asyncio.sleep(max(0.0, 30 - (time.monotonic() - down_at)))
-        assert all(p.poll() is None for p in daemons.values()), _dump(logs)
+        assert daemons.alive(), _dump(logs)
         await asyncio.to_thread(services, "kafka-start")
         handled = await _wait_handled(acceptance_engine, settings, group, 400, 120)
         await asyncio.sleep(3)  # whatever the recovery still logs
         ends = {name: path.stat().st_size for name, path in logs.items()}
-    finally:
-        for proc in daemons.values():
-            proc.terminate()
-        for proc in daemons.values():
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
     assert handled == 400, _dump(logs)
     counted = {name: _outage_lines(path, marks[name], ends[name]) for name, path in logs.items()}
     report = "\n".join(

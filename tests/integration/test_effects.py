@@ -19,7 +19,8 @@ from typing import Any
 
 import pytest
 from prometheus_client import CollectorRegistry
-from sqlalchemy import Engine, event, select, text, update
+from sqlalchemy import Engine, event, func, select, text, update
+from sqlalchemy.exc import OperationalError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from examples.agent_tools.client import ProviderClient
@@ -423,6 +424,43 @@ def test_a_failing_reconcile_parks_the_key_as_unknown(
     with pytest.raises(EffectOutcomeUnknown, match="reconcile failed"):
         effects.run(engine, key=key, payload=ARGS, call=refund_via(client), reconcile=broken)
     assert record(engine, settings, key).state == "unknown"
+    assert provider.effects - before == 1
+
+
+def test_a_reconcile_that_meets_a_database_outage_leaves_the_key_pending_not_parked(
+    effects: Effects,
+    engine: Engine,
+    settings: OutboxSettings,
+    provider: FakeProvider,
+    client: ProviderClient,
+) -> None:
+    """A reconcile that reads its answer from a database and meets an outage there (a real
+    server error with SQLSTATE 57P03, "cannot connect now") learned nothing about the
+    effect: the key stays pending under its lease for the next caller to reconcile, instead
+    of being parked for an operator; that caller settles it without calling again."""
+    key, before = new_key(), provider.effects
+    provider.fail_next("apply_then_die")
+
+    def database_down(k: str) -> Any:
+        with engine.connect() as conn:
+            conn.execute(
+                text(
+                    "DO $$ BEGIN RAISE EXCEPTION 'the database system is starting up' "
+                    "USING ERRCODE = '57P03'; END $$"
+                )
+            )
+
+    with pytest.raises(OperationalError) as raised:  # the outage itself, not "unknown"
+        effects.run(engine, key=key, payload=ARGS, call=refund_via(client), reconcile=database_down)
+    assert raised.value.orig is not None and raised.value.orig.sqlstate == "57P03"
+    assert record(engine, settings, key).state == "pending"
+    with engine.begin() as conn:  # the lease runs out
+        t = build_tables(settings).effects
+        conn.execute(update(t).where(t.c.key == key).values(lease_until=func.now()))
+    result = effects.run(
+        engine, key=key, payload=ARGS, call=refund_via(client), reconcile=reconcile_via(client)
+    )
+    assert result is not None and record(engine, settings, key).state == "done"
     assert provider.effects - before == 1
 
 

@@ -336,7 +336,8 @@ async def test_serialization_failure_is_retried_not_dead_lettered(
     await produce(kafka_bootstrap, topic, [record(1)])
     async with RunningConsumer(app, fast_settings(settings)) as c:
         await wait_for(lambda: c.metrics.counts["processed"] == 1, what="processed")
-    assert c.metrics.counts["retries"] == 2 and c.metrics.counts["dead_lettered"] == 0
+    # Run again at once (a conflict is not the event's fault): no retry, no attempt counted.
+    assert c.metrics.counts["retries"] == 0 and c.metrics.counts["dead_lettered"] == 0
     assert effect_counts(engine, table) == {"1": 1}
 
 

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 import psycopg
 import pytest
 from aiokafka.admin import NewTopic
@@ -26,6 +27,7 @@ from outbox.db import sync_engine
 from outbox.roles import JOBS, role_names
 from outbox.settings import OutboxSettings
 from tests.security.conftest import Daemon, cli, run_daemon, secret, until
+from tests.support.console import console_process, seed_dead_letters
 
 pytestmark = pytest.mark.integration
 
@@ -183,6 +185,21 @@ def test_the_operator_reads_and_deletes_but_does_not_own(jobs: Jobs) -> None:
     assert refused(operator, f"SELECT count(*) FROM {jobs.events}") == "allowed"
     assert refused(operator, f"DROP TABLE {jobs.events}") == "42501"
     assert refused(operator, f"TRUNCATE {jobs.events}") == "42501"
+
+
+def test_the_viewer_reads_and_the_read_only_console_runs_under_it(jobs: Jobs) -> None:
+    viewer = jobs.as_job["viewer"]
+    assert refused(viewer, f"SELECT count(*) FROM {jobs.events}") == "allowed"
+    assert refused(viewer, f"DELETE FROM {jobs.events}") == "42501"
+    letters = f'"{jobs.owner.db_schema}"."{jobs.owner.table_prefix}dead_letters"'
+    assert refused(viewer, f"DELETE FROM {letters}") == "42501"
+    seed_dead_letters(jobs.owner, 3, consumer="viewer-test")
+    with console_process(viewer) as (url, _):
+        for path in ("/", "/dead-letters?consumer=viewer-test", "/failed", "/effects"):
+            page = httpx.get(url + path, timeout=30)
+            assert page.status_code == 200, (path, page.text[-500:])
+            assert "permission denied" not in page.text
+        assert "3 dead letters" in httpx.get(url + "/dead-letters?consumer=viewer-test").text
 
 
 async def test_every_daemon_does_its_job_under_its_role(

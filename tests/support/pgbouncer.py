@@ -109,7 +109,7 @@ def pgbouncer(
         auth_file.write_text(f'"{url.username}" "{url.password}"\n')
         ini = workdir / "pgbouncer.ini"
         ini.write_text(_ini(upstream, port, mode, pool_size, auth_file))
-        user = _run_as(workdir, auth_file, ini)
+        user = run_as("PgBouncer", PgBouncerFailed, workdir, auth_file, ini)
         log_path = workdir / "pgbouncer.log"
         with log_path.open("wb") as sink:
             process = subprocess.Popen(
@@ -125,15 +125,16 @@ def pgbouncer(
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def _run_as(*paths: Path) -> str | None:
-    """The user PgBouncer runs as (None: this one), owning ``paths``."""
+def run_as(program: str, error: type[Exception], *paths: Path) -> str | None:
+    """The user ``program`` runs as (None: this one), owning ``paths``: under root, the
+    ``postgres`` user (PgBouncer and PostgreSQL both refuse root); ``error`` if none."""
     if os.geteuid() != 0:
         return None
     try:
         owner = pwd.getpwnam(_RUN_AS)
     except KeyError:
-        raise PgBouncerFailed(
-            f"PgBouncer does not run as root and there is no {_RUN_AS!r} user to run it as"
+        raise error(
+            f"{program} does not run as root and there is no {_RUN_AS!r} user to run it as"
         ) from None
     for path in paths:
         os.chown(path, owner.pw_uid, owner.pw_gid)

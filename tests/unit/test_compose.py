@@ -44,6 +44,7 @@ def test_every_long_running_service_has_a_healthcheck(services: dict[str, Any]) 
         "kafka",
         "relay",
         "consumer",
+        "console",
         "kafka-secure",
         "relay-secure",
         "consumer-secure",
@@ -162,3 +163,13 @@ def test_the_secure_daemons_are_configured_with_real_settings(services: dict[str
         assert env["OUTBOX_KAFKA__SASL_PASSWORD"].startswith("${OUTBOX_SECURE_KAFKA_PASSWORD")
         assert env["OUTBOX_KAFKA__SSL_CA_FILE"] == "/certs/ca.pem"
         assert "secure-certs:/certs:ro" in services[name]["volumes"]
+
+
+def test_the_console_listens_beyond_loopback_only_with_a_token(services: dict[str, Any]) -> None:
+    console = services["console"]
+    command = console["command"]
+    assert command[:2] == ["outbox", "console"] and "--allow-actions" not in command
+    assert command[command.index("--host") + 1] == "0.0.0.0"
+    assert console["environment"]["OUTBOX_CONSOLE__TOKEN"]
+    assert all(p.startswith("127.0.0.1:") for p in console["ports"])
+    assert "/healthz" in console["healthcheck"]["test"][-1]

@@ -121,6 +121,7 @@ _NOT_SETTINGS = {
     "OUTBOX_SERVICES",
     "OUTBOX_SERVICES_DIR",
     "OUTBOX_SECURE_KAFKA_PASSWORD",
+    "OUTBOX_CONSOLE_TOKEN",  # docker-compose.yml's variable for the console's token
 }
 
 
@@ -247,18 +248,20 @@ _METRIC_MODULES = {
     "inbox/metrics.py",
     "outbox/effects/metrics.py",
     "outbox/idempotency/metrics.py",
+    "outbox/console/metrics.py",
 }
 
 
 def _registered_metrics() -> dict[str, tuple[str, tuple[str, ...]]]:
     """Exposed name -> (type, label names) of every metric the code registers."""
     from inbox.metrics import Metrics
+    from outbox.console.metrics import ConsoleMetrics
     from outbox.effects.metrics import EffectMetrics
     from outbox.idempotency.metrics import IdempotencyMetrics
     from relay.metrics import RelayMetrics
 
     registries = [RelayMetrics().registry, Metrics("c").registry]
-    for make in (EffectMetrics, IdempotencyMetrics):
+    for make in (EffectMetrics, IdempotencyMetrics, ConsoleMetrics):
         registry = CollectorRegistry()
         make(registry)
         registries.append(registry)
@@ -301,7 +304,7 @@ def test_the_metrics_page_lists_every_metric_with_its_type_and_labels() -> None:
     assert ours == _registered_metrics()
 
 
-_METRIC_NAME = re.compile(r"\boutbox_(?:relay|inbox|effects|idempotency)_[a-z_]+")
+_METRIC_NAME = re.compile(r"\boutbox_(?:relay|inbox|effects|idempotency|console)_[a-z_]+")
 
 
 @pytest.mark.parametrize("page", pages(), ids=_rel)
@@ -386,3 +389,12 @@ def test_retriable_is_read_from_the_classes() -> None:
     assert reference.retriable(BrokerUnavailable) == "yes"
     assert reference.retriable(SchemaMissing) == "no"
     assert reference.retriable(HttpStatusError) == "by instance"
+
+
+def test_the_error_reference_renders_the_sqlstate_table() -> None:
+    from outbox.dberrors import SQLSTATES
+
+    page = reference.database_errors_markdown()
+    for code, (_kind, meaning) in SQLSTATES.items():
+        assert f"`{code}`" in page and meaning.replace("|", "\\|") in page, code
+    assert "<!-- generated: database-errors -->" in (ROOT / "docs/reference/errors.md").read_text()
