@@ -3,13 +3,14 @@
 # build context.
 FROM python:3.11.14-slim-bookworm
 WORKDIR /app
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md constraints.txt ./
 COPY outbox ./outbox
 COPY relay ./relay
 COPY inbox ./inbox
 COPY cli ./cli
 COPY examples ./examples
-RUN pip install --no-cache-dir ".[asgi,console]"
+# The versions CI tested (constraints.txt, scripts/lock), not whatever is newest today.
+RUN pip install --no-cache-dir -c constraints.txt ".[asgi,console]"
 ENV PYTHONPATH=/app
 USER nobody
 ENTRYPOINT []

@@ -18,38 +18,35 @@ at the first byte, hold up to 500 ms), so an idle consumer costs two fetches a s
 the first record after a pause is handed over at once.
 
 aiokafka fixes both values when it starts; its fetcher reads them again for every
-request, from attributes that are not public API. They are checked once at start: if a
-future aiokafka renames them, lingering is off (logged once) and nothing else changes.
+request, from attributes that are not public API, changed through :mod:`outbox.kafka_room`
+(checked once at start: if a future aiokafka renames them, lingering is off — said in the
+room's one WARNING — and nothing else changes).
 """
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-log = logging.getLogger("outbox.inbox")
+from outbox.kafka_room import fetch_wait, set_fetch_wait
 
 # While lingering the wait, not the size, ends a fetch at any rate below ~200 MB/s.
 LINGER_MIN_BYTES = 1 << 20
-_ATTRIBUTES = ("_fetch_min_bytes", "_fetch_max_wait_ms")
 
 
 @dataclass
 class FetchLinger:
-    fetcher: Any  # aiokafka's Fetcher (AIOKafkaConsumer._fetcher), once started
+    consumer: Any  # a started AIOKafkaConsumer
     linger_ms: int
     _quiet: tuple[int, int] = field(init=False)
     _flowing: bool = field(default=False, init=False)
 
     def __post_init__(self) -> None:
-        if self.linger_ms and not all(hasattr(self.fetcher, a) for a in _ATTRIBUTES):
-            log.warning(
-                "fetch linger is off: this aiokafka version keeps its fetch settings elsewhere"
-            )
-            self.linger_ms = 0
-        if self.linger_ms:
-            self._quiet = (self.fetcher._fetch_min_bytes, self.fetcher._fetch_max_wait_ms)
+        quiet = fetch_wait(self.consumer) if self.linger_ms else None
+        if quiet is None:
+            self.linger_ms = 0  # off: the app tunes fetching, or aiokafka does not let us
+        else:
+            self._quiet = quiet
 
     def fetched(self, records: bool) -> None:
         """Called after every fetch wait: ``records`` whether it brought any."""
@@ -58,4 +55,5 @@ class FetchLinger:
         self._flowing = records
         lingering = (max(LINGER_MIN_BYTES, self._quiet[0]), self.linger_ms)
         values = lingering if records else self._quiet
-        self.fetcher._fetch_min_bytes, self.fetcher._fetch_max_wait_ms = values
+        if not set_fetch_wait(self.consumer, *values):
+            self.linger_ms = 0

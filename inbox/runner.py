@@ -56,6 +56,7 @@ from inbox.membership import (
 from inbox.metrics import Metrics
 from inbox.processor import PartitionProcessor, process_together
 from inbox.store import InboxStore
+from outbox import kafka_room
 from outbox.daemon import MetadataWatch, kafka_consumer, start_kafka, with_client_options
 from outbox.db import async_engine, unavailable
 from outbox.dberrors import is_transient
@@ -156,6 +157,7 @@ class ConsumerDaemon:
     async def run(self, stop: asyncio.Event) -> None:
         """Consume until ``stop`` is set; then finish in-flight batches, commit, leave."""
         config = self.settings.consumer
+        kafka_room.check()  # one WARNING if this aiokafka lost a capability the inbox uses
         # Before joining the group: a member that cannot process would take partitions
         # from healthy ones. Configuration errors end the run here (exit 2).
         if not await self._database_ready(stop):
@@ -209,6 +211,7 @@ class ConsumerDaemon:
                 self._membership = Membership(kafka, self.app.name, instance_id, heartbeat)
             kafka.subscribe(list(self.app.topics), listener=_Listener(self))
             self._watcher = asyncio.create_task(self._watch_kafka(kafka))
+            self._watcher.add_done_callback(self._watch)
             self._running = True
             log.info(
                 "consumer started",
@@ -322,8 +325,8 @@ class ConsumerDaemon:
         retries inside ``getmany``), this turns it into one line down, one line up; and it
         keeps the view of who leads each partition fresh when a broker hangs, so that the
         partitions Kafka moves away from it are fetched from their new leaders at once."""
-        # aiokafka exposes no public "is the cluster reachable?"
-        watch = MetadataWatch(kafka._client, self.app.topics, KAFKA_CHECK_SECONDS)
+        # aiokafka exposes no public "is the cluster reachable?": see outbox/kafka_room.py
+        watch = MetadataWatch(kafka, self.app.topics, KAFKA_CHECK_SECONDS, kafka.topics)
         ends: asyncio.Task[None] | None = None
         try:
             while True:
@@ -375,7 +378,7 @@ class ConsumerDaemon:
         """The fetch linger (inbox/linger.py), unless the app tunes fetching itself."""
         tuned = {"fetch_min_bytes", "fetch_max_wait_ms"} & set(self.app.kafka_options)
         linger = 0 if tuned else self.settings.consumer.linger_ms
-        return FetchLinger(kafka._fetcher, linger)
+        return FetchLinger(kafka, linger)
 
     async def _loop(
         self,
@@ -472,6 +475,7 @@ class ConsumerDaemon:
         if not task.cancelled() and task.exception() is not None and self._failure is None:
             # A bug, not a handler error (those are handled): stop the daemon loudly.
             self._failure = task.exception()
+            log.error("consumer task died: %r", self._failure, exc_info=self._failure)
 
     def _watch_committer(self, task: asyncio.Task[None]) -> None:
         self._watch(task)

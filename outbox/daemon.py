@@ -12,12 +12,13 @@ import asyncio
 import contextlib
 import inspect
 import json
+import logging
 import random
 import signal
 import ssl
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
@@ -33,10 +34,10 @@ from aiokafka.errors import (
     UnsupportedSaslMechanismError,
 )
 from aiokafka.helpers import create_ssl_context
-from aiokafka.protocol.metadata import MetadataRequest
 from prometheus_client import CollectorRegistry, make_wsgi_app
 from pydantic import SecretStr
 
+from outbox import kafka_room
 from outbox.errors import BrokerRefused, ConfigurationError
 from outbox.oauthbearer import TokenUnavailable, token_provider
 from outbox.settings import KafkaSettings, OutboxSettings
@@ -248,15 +249,28 @@ class MetadataWatch:
     group coordinator hung may look up the hung one again and be thrown out of the group.
     :meth:`refresh` asks the brokers one at a time, the one that answered last first, each
     for at most ``each_seconds``; the client's random choice becomes the broker that
-    answered the last refresh, else one that did not fail to answer."""
+    answered the last refresh, else one that did not fail to answer.
 
-    def __init__(self, client: Any, topics: Sequence[str], each_seconds: float) -> None:
-        self._client = client
-        self._request = MetadataRequest(list(topics))
+    ``owner`` is the consumer (or any aiokafka client); the requests go through
+    :mod:`outbox.kafka_room`. Without its metadata capability (an aiokafka that changed
+    the internals, said at start) a refresh is ``fallback()`` — a public request such as
+    ``consumer.topics()`` — which tells an outage but leaves leadership to aiokafka."""
+
+    def __init__(
+        self,
+        owner: Any,
+        topics: Sequence[str],
+        each_seconds: float,
+        fallback: Callable[[], Awaitable[object]] | None = None,
+    ) -> None:
+        self._owner = owner
+        self._kafka = kafka_room.client_of(owner)
+        self._topics = list(topics)
         self._each = each_seconds
+        self._fallback = fallback
         self._answered: int | None = None
         self._silent: dict[int, float] = {}  # broker -> when it last failed to answer
-        client.get_random_node = self._pick
+        kafka_room.prefer_brokers(owner, lambda _client: self.pick())
 
     def _quiet(self) -> set[int]:
         """Brokers that failed to answer in the last SILENT_SECONDS."""
@@ -265,14 +279,14 @@ class MetadataWatch:
 
     SILENT_SECONDS = 30.0
 
-    def _pick(self) -> int | None:
+    def pick(self) -> int | None:
         """Where aiokafka sends a group coordinator lookup. Heartbeats stop while the
         coordinator is unknown (after a commit timed out, say, waiting for a hung replica),
         and a lookup sent to a hung broker waits a whole request timeout: long enough for
         the group to drop this member (session 10 s) and rebalance. A broker that has not
         failed to answer yet may be the hung one; the one that answered the last refresh
         (a second ago) is not."""
-        nodes = [b.nodeId for b in self._client.cluster.brokers()]
+        nodes = [b.nodeId for b in self._kafka.cluster.brokers()]
         quiet = self._quiet()
         if self._answered in nodes and self._answered not in quiet:
             return self._answered
@@ -281,23 +295,36 @@ class MetadataWatch:
 
     async def refresh(self) -> bool:
         """True when a broker answered (and the client's view was updated)."""
+        if not kafka_room.usable(kafka_room.METADATA):
+            return await self._refresh_publicly()
         quiet = self._quiet()
-        nodes = [b.nodeId for b in self._client.cluster.brokers()]
+        nodes = [b.nodeId for b in self._kafka.cluster.brokers()]
         nodes.sort(key=lambda n: (n != self._answered, n in quiet))
         for node in nodes:
             try:
                 response = await asyncio.wait_for(
-                    self._client.send(node, self._request), self._each
+                    kafka_room.ask_metadata(self._owner, node, self._topics), self._each
                 )
+            except kafka_room.MetadataUnavailable:
+                return await self._refresh_publicly()
             except (KafkaError, OSError, TimeoutError):
                 self._silent[node] = time.monotonic()
                 continue
             if response.brokers:
-                self._client.cluster.update_metadata(response)
+                kafka_room.update_cluster(self._owner, response)
                 self._answered = int(node)
                 self._silent.pop(node, None)
                 return True
         return False
+
+    async def _refresh_publicly(self) -> bool:
+        if self._fallback is None:
+            return True  # nothing to ask: aiokafka's own refresh is all there is
+        try:
+            await asyncio.wait_for(self._fallback(), self._each * 3)
+        except (KafkaError, OSError, TimeoutError):
+            return False
+        return True
 
 
 def kafka_admin(settings: OutboxSettings, **options: Any) -> AIOKafkaAdminClient:
@@ -360,6 +387,23 @@ def topic_error(response: Any, name: str) -> KafkaError | None:
 
 
 # --------------------------------------------------------------------- metrics and health
+
+
+def supervise(
+    task: asyncio.Task[Any], what: str, logger: logging.Logger, died: Callable[[], None]
+) -> None:
+    """Watch a background task that should only end when cancelled (a leader watch, a
+    metadata watch, an offset committer): an exception ends it unobserved otherwise. Its
+    death is logged at ERROR with the cause, and ``died()`` fails the daemon's health."""
+
+    def done(finished: asyncio.Task[Any]) -> None:
+        if finished.cancelled() or finished.exception() is None:
+            return
+        error = finished.exception()
+        logger.error("%s died: %r", what, error, exc_info=error)
+        died()
+
+    task.add_done_callback(done)
 
 
 class _QuietHandler(WSGIRequestHandler):

@@ -14,6 +14,7 @@ import contextlib
 import logging
 from wsgiref.simple_server import WSGIServer
 
+from outbox import kafka_room
 from outbox.daemon import serve_http, stop_on_signals
 from outbox.errors import ConfigurationError, DatabaseUnavailable, TopicMissing
 from outbox.ops.topics import relay_topics
@@ -60,8 +61,14 @@ class Relay:
             self._stopping.set()
 
     def healthy(self) -> bool:
-        """Lock connection up and every task alive (what ``/healthz`` reports)."""
-        return self.lanes.connected and bool(self._tasks) and not any(t.done() for t in self._tasks)
+        """Lock connection up, every task alive and no background task of the publisher
+        dead (what ``/healthz`` reports)."""
+        return (
+            self.lanes.connected
+            and bool(self._tasks)
+            and not any(t.done() for t in self._tasks)
+            and self._publisher.failure is None
+        )
 
     async def _report(self, stopping: asyncio.Event) -> None:
         """A status line every ``STATUS_EVERY_SECONDS`` while running, like the consumer's:
@@ -102,6 +109,7 @@ class Relay:
             raise TopicMissing(", ".join(missing))
 
     async def run(self) -> None:
+        kafka_room.check()  # one WARNING if this aiokafka lost a capability the relay uses
         await self.preflight()
         stopping = self._stopping = asyncio.Event()
         server: WSGIServer | None = None

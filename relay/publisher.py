@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import json
 import logging
 import random
@@ -44,9 +43,9 @@ from aiokafka import AIOKafkaProducer, TopicPartition
 from aiokafka import errors as kerr
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.partitioner import murmur2
-from aiokafka.protocol.metadata import MetadataRequest
 
-from outbox.daemon import kafka_admin, kafka_producer, kafka_refusal, start_kafka
+from outbox import kafka_room
+from outbox.daemon import kafka_admin, kafka_producer, kafka_refusal, start_kafka, supervise
 from outbox.errors import BrokerUnavailable, ConfigurationError, TopicMissing
 from outbox.settings import OutboxSettings
 from relay.errors import PartitionUnavailable, ProducerBroken, RecordRejected, RecordTooLarge
@@ -177,6 +176,8 @@ class Publisher:
         self._replaced = asyncio.Event()
         self.replaced_at = -1e9  # loop time of the last replacement
         self._watcher: asyncio.Task[None] | None = None  # leaders of stalled partitions
+        # What ended a background task unexpectedly (the relay's /healthz fails), if any.
+        self.failure: str | None = None
         self._live: set[int] = set()  # brokers Kafka listed last (not fenced)
         self._answered: dict[int, float] = {}  # broker -> loop time it last answered
         self._lock = asyncio.Lock()
@@ -240,6 +241,9 @@ class Publisher:
             sick |= {b.nodeId for b in running.client.cluster.brokers()} - self._live
         return sick
 
+    def _watch_died(self) -> None:
+        self.failure = "leader watch died"
+
     def _pick_node(self, client: Any) -> int | None:
         """aiokafka asks a broker chosen at random for a new producer's id: one that hangs
         holds the start for a whole request timeout. Prefer the others."""
@@ -264,7 +268,7 @@ class Publisher:
             request_timeout_ms=int(r.ack_timeout_seconds * 1000),
             retry_backoff_ms=200,
         )
-        producer.client.get_random_node = functools.partial(self._pick_node, producer.client)
+        kafka_room.prefer_brokers(producer, self._pick_node)
         return producer
 
     async def _start(self, index: int) -> AIOKafkaProducer:
@@ -362,7 +366,7 @@ class Publisher:
         try:
             await asyncio.wait({stopping}, timeout=within)
             if not stopping.done():
-                _abandon_queued(producer)
+                kafka_room.abandon_queued(producer, kerr.ProducerClosed())
                 # The sender waits for its requests in flight (at most the request timeout).
                 await asyncio.wait({stopping}, timeout=self._settings.relay.ack_timeout_seconds)
             if stopping.done() and not stopping.cancelled() and stopping.exception():
@@ -548,9 +552,19 @@ class Publisher:
         if outcome.acked:
             self.last_ack = loop.time()
         self.health.report(self._partitions)
-        if self.health.unavailable and (self._watcher is None or self._watcher.done()):
-            self._watcher = asyncio.ensure_future(self._watch_leaders())
+        if self.health.unavailable:
+            self._ensure_watch()
         return outcome
+
+    def _ensure_watch(self) -> None:
+        """Start the leader watch unless it runs — or died (a bug: logged at ERROR, and
+        /healthz fails until the relay is restarted), or this aiokafka cannot send its
+        metadata requests (said at start: stalls then wait for aiokafka's own retries)."""
+        running = self._watcher is not None and not self._watcher.done()
+        if running or self.failure is not None or not kafka_room.usable(kafka_room.METADATA):
+            return
+        self._watcher = asyncio.ensure_future(self._watch_leaders())
+        supervise(self._watcher, "relay leader watch", log, self._watch_died)
 
     async def _watch_leaders(self) -> None:
         """While partitions are stalled, ask Kafka how they stand (a client of its own,
@@ -579,12 +593,14 @@ class Publisher:
                 # news too: when every partition waits for a hung replica (three brokers,
                 # replication factor 3) no broker acknowledges anything, and this is how
                 # the brokers that still answer are told from the hung one.
-                node = self._pick_node(admin._client)
+                node = self._pick_node(kafka_room.client_of(admin))
                 try:
                     answer = await asyncio.wait_for(
-                        admin._send_request(MetadataRequest(sorted({t for t, _ in stalled})), node),
+                        kafka_room.ask_metadata(admin, node, sorted({t for t, _ in stalled})),
                         LEADER_PROBE_TIMEOUT_MS / 1000 * 2,
                     )
+                except kafka_room.MetadataUnavailable:
+                    return  # said once at WARNING; stalls wait for aiokafka's own retries
                 except Exception as exc:  # asked the sick broker, probably: ask another
                     log.debug("leader watch: broker %s did not answer: %r", node, exc)
                     if node is not None:
@@ -614,9 +630,7 @@ class Publisher:
                                 self._replace(producer, f"{tp[0]}[{tp[1]}] stalled, {change}")
                 seen = {tp: v for tp, v in seen.items() if tp in stalled}
                 acted = {tp: v for tp, v in acted.items() if tp in self.health.leaders()}
-        except Exception as exc:  # the next stall starts another watch
-            log.debug("leader watch stopped: %r", exc)
-        finally:
+        finally:  # an unexpected error ends the watch loudly (see publish: supervise)
             if admin is not None:
                 await _close_quietly(admin)
 
@@ -636,7 +650,7 @@ class Publisher:
         )
         # Its metadata requests go to a broker chosen at random, as a producer's id does:
         # the same preference for brokers that answer.
-        admin._client.get_random_node = functools.partial(self._pick_node, admin._client)
+        kafka_room.prefer_brokers(admin, self._pick_node)
         try:
             await asyncio.wait_for(admin.start(), WATCH_START_SECONDS)
         except Exception as exc:
@@ -683,11 +697,18 @@ class Publisher:
         refused: BaseException | None = None
         for builder, _ in batches:
             try:
-                futures.append(await producer.send_batch(builder, tp[0], partition=tp[1]))
+                future = await producer.send_batch(builder, tp[0], partition=tp[1])
             except Exception as exc:
                 # Not queued: no later batch of this partition may overtake it.
                 refused = exc
                 break
+            # Its answer is read below, unless this delivery is cancelled first (the relay
+            # stopping, the loop closing) and the batch fails later — a retired producer's
+            # batches fail with ProducerClosed when it is closed: read it anyway, or asyncio
+            # prints "Future exception was never retrieved" for each at exit. (The batch's
+            # own future, behind this shield, is read by kafka_room.abandon_queued.)
+            future.add_done_callback(_observed)
+            futures.append(future)
         results: list[BaseException | None] = []
         for future in futures:
             try:
@@ -772,15 +793,10 @@ async def _close_quietly(admin: AIOKafkaAdminClient) -> None:
         await asyncio.wait_for(admin.close(), 2.0)
 
 
-def _abandon_queued(producer: AIOKafkaProducer) -> None:
-    """Fail every batch still queued in ``producer`` (aiokafka has no public way; its
-    accumulator's ``fail_all`` is what a dying sender uses). A batch that was retried went
-    back to the queue without its "in flight" mark, which the callback clearing that mark
-    expects to find: put it back first, or that callback raises in the event loop."""
-    queue = producer._message_accumulator
-    for batches in queue._batches.values():
-        queue._pending_batches.update(b for b in batches if b.retry_count)
-    queue.fail_all(kerr.ProducerClosed())
+def _observed(future: asyncio.Future[Any]) -> None:
+    """Mark a batch's failure as seen (whoever waits for it reads it as well)."""
+    if not future.cancelled():
+        future.exception()
 
 
 def _acked(delivery: asyncio.Future[_Delivered]) -> bool:

@@ -42,7 +42,7 @@ from outbox.settings import OutboxSettings
 from tests.support.cluster import FailoverWatch, KafkaCluster, PartitionInfo, busiest_leader
 from tests.support.cluster import kafka_cluster as kafka_cluster  # the fixture
 from tests.support.inbox import effects_table, subprocess_env
-from tests.support.relay import RelayProcess, publish_numbered, relay_env
+from tests.support.relay import RelayProcess, publish_numbered, relay_env, wait_drained
 
 pytestmark = pytest.mark.integration
 
@@ -183,6 +183,10 @@ class Daemons:
         return f"relay:\n{self.relay.log()[-3000:]}\nconsumer:\n{consumer[-3000:]}"
 
     def stop(self) -> None:
+        # SIGTERM, as an operator stops it after the fault (see _run: its log must stay
+        # free of unread batch failures); SIGKILL after 30 s.
+        if self.relay.alive():
+            self.relay.terminate(30)
         self.relay.kill()
         if self.consumer.poll() is None:
             self.consumer.kill()
@@ -336,6 +340,9 @@ async def _run(
         for node in hit:  # leave the cluster whole for the next test
             await asyncio.to_thread(cluster.heal, node)
         await cluster.wait_in_sync([topic])
+    # A relay stopped after a broker fault printed "Future exception was never retrieved
+    # ... ProducerClosed" for batches its retired producers failed (issue #38).
+    assert "never retrieved" not in daemons.relay.log(), daemons.relay.log()[-3000:]
     by_kind = {k: sorted(p for p, v in kinds.items() if v == k) for k in set(kinds.values())}
     print(f"\nbrokers hit {hit}; partitions {by_kind}; events {len(stream.committed)}")
     print(outcome.report())
@@ -405,3 +412,37 @@ async def test_two_brokers_down_below_min_isr_waits_and_delivers_everything(
 
     outcome = await _run(kafka_cluster, engine, settings, tmp_path, two_down_20s, sick=2)
     assert (outcome.lost, outcome.duplicates, outcome.out_of_order) == (0, 0, 0), outcome.report()
+
+
+async def test_a_relay_stopped_during_a_broker_fault_exits_cleanly(
+    kafka_cluster: KafkaCluster, engine: Engine, settings: OutboxSettings, tmp_path: Path
+) -> None:
+    # SIGTERM while a broker hangs: batches wait on it, producers were retired, their
+    # queued batches failed with ProducerClosed. The relay exits 0 within its grace and
+    # prints no "Future exception was never retrieved" (issue #38); nothing is lost after.
+    topic = f"faults-{uuid.uuid4().hex[:8]}"
+    await kafka_cluster.create_topic(topic, PARTITIONS)
+    await kafka_cluster.wait_in_sync([topic])
+    s = settings.model_copy(update={"kafka_bootstrap_servers": kafka_cluster.bootstrap})
+    relay = RelayProcess(relay_env(s), tmp_path, "relay")
+    hit = busiest_leader(await kafka_cluster.describe(topic))
+    try:
+        publish_numbered(engine, s, topic, 200, keys=KEYS)
+        await asyncio.to_thread(wait_drained, engine, s, 60)
+        kafka_cluster.pause(hit)
+        try:
+            for round_ in range(6):  # a stream while the broker hangs
+                publish_numbered(engine, s, topic, 100, keys=KEYS, start=200 + 100 * round_)
+                await asyncio.sleep(1)
+            code, took = await asyncio.to_thread(relay.terminate, 60)
+        finally:
+            kafka_cluster.resume(hit)
+    finally:
+        relay.kill()
+        await asyncio.to_thread(kafka_cluster.heal, hit)
+        await kafka_cluster.wait_in_sync([topic])
+    log = relay.log()
+    assert "never retrieved" not in log, log[-3000:]
+    assert "Traceback" not in log, log[-3000:]
+    assert code == 0, log[-3000:]
+    print(f"\nrelay exited {code} in {took:.1f} s after SIGTERM during a hang of broker {hit}")

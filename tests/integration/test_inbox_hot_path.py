@@ -16,6 +16,7 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 import inbox
 from inbox.store import InboxStore
+from outbox.kafka_room import fetch_wait
 from outbox.settings import ConsumerSettings, OutboxSettings
 from tests.support.inbox import (
     RunningConsumer,
@@ -133,8 +134,9 @@ async def test_fetches_linger_while_records_flow_and_not_when_quiet(
     c = RunningConsumer(app, lingering)
 
     def fetch_settings() -> tuple[int, int]:
-        fetcher = c.daemon._kafka._fetcher  # type: ignore[union-attr]
-        return fetcher._fetch_min_bytes, fetcher._fetch_max_wait_ms
+        found = fetch_wait(c.daemon._kafka)
+        assert found is not None
+        return found
 
     @app.handler("test.event")
     async def handle(event: inbox.InboxEvent, session: AsyncSession) -> None:
@@ -159,12 +161,14 @@ async def test_the_app_tuning_fetches_itself_turns_the_linger_off(
         name=f"c-{uuid.uuid4().hex[:10]}", topics=[topic], kafka_options={"fetch_max_wait_ms": 50}
     )
     waits: list[int] = []
+    c = RunningConsumer(app, settings)
 
     @app.handler("test.event")
     async def handle(event: inbox.InboxEvent, session: AsyncSession) -> None:
-        waits.append(c.daemon._kafka._fetcher._fetch_max_wait_ms)  # type: ignore[union-attr]
+        found = fetch_wait(c.daemon._kafka)
+        assert found is not None
+        waits.append(found[1])
 
-    c = RunningConsumer(app, settings)
     async with c:
         await wait_for(c.assigned, what="assignment")
         await produce(kafka_bootstrap, topic, records(0, 3))

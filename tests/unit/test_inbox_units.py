@@ -65,27 +65,38 @@ def test_decode_makes_odd_header_values_bytes_and_the_last_id_wins() -> None:
     assert decode(Rec(headers=(("ce_id", b"a"), ("ce_id", None), ("ce_type", b"x")))).malformed  # type: ignore[arg-type]
 
 
-def test_fetch_linger_holds_fetches_only_while_records_flow() -> None:
-    from types import SimpleNamespace
-
+def test_fetch_linger_holds_fetches_only_while_records_flow(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import inbox.linger
     from inbox.linger import LINGER_MIN_BYTES, FetchLinger
 
-    fetcher = SimpleNamespace(_fetch_min_bytes=1, _fetch_max_wait_ms=500)
-    linger = FetchLinger(fetcher, 5)
+    # The consumer's fetch settings as outbox.kafka_room reads and changes them (the room
+    # itself is tested against aiokafka in test_kafka_room.py and the canary).
+    wait: dict[object, tuple[int, int] | None] = {}
+
+    def set_wait(consumer: object, min_bytes: int, max_wait_ms: int) -> bool:
+        wait[consumer] = (min_bytes, max_wait_ms)
+        return True
+
+    monkeypatch.setattr(inbox.linger, "fetch_wait", wait.get)
+    monkeypatch.setattr(inbox.linger, "set_fetch_wait", set_wait)
+    consumer, off, renamed = object(), object(), object()
+    wait.update({consumer: (1, 500), off: (1, 500), renamed: None})
+    linger = FetchLinger(consumer, 5)
     linger.fetched(False)
-    assert (fetcher._fetch_min_bytes, fetcher._fetch_max_wait_ms) == (1, 500)
+    assert wait[consumer] == (1, 500)
     linger.fetched(True)
-    assert (fetcher._fetch_min_bytes, fetcher._fetch_max_wait_ms) == (LINGER_MIN_BYTES, 5)
+    assert wait[consumer] == (LINGER_MIN_BYTES, 5)
     linger.fetched(True)
     linger.fetched(False)  # a quiet spell: the next record is fetched at once
-    assert (fetcher._fetch_min_bytes, fetcher._fetch_max_wait_ms) == (1, 500)
-    # Off: never touches the fetcher; an aiokafka without these attributes turns it off.
-    off = SimpleNamespace(_fetch_min_bytes=1, _fetch_max_wait_ms=500)
+    assert wait[consumer] == (1, 500)
+    # Off: never touches the consumer; an aiokafka without these settings turns it off.
     FetchLinger(off, 0).fetched(True)
-    assert (off._fetch_min_bytes, off._fetch_max_wait_ms) == (1, 500)
-    renamed = FetchLinger(SimpleNamespace(), 5)
-    renamed.fetched(True)
-    assert renamed.linger_ms == 0
+    assert wait[off] == (1, 500)
+    lost = FetchLinger(renamed, 5)
+    lost.fetched(True)
+    assert lost.linger_ms == 0 and wait[renamed] is None
 
 
 def test_validation_errors_are_permanent_and_never_echo_input() -> None:
@@ -262,10 +273,32 @@ async def test_a_coordinator_lookup_goes_to_the_broker_that_answered_last() -> N
     client = _Client([1, 2, 3], hung={1})
     watch = MetadataWatch(client, ["orders"], each_seconds=0.1)
     assert await watch.refresh()  # 1 does not answer, 2 does
-    assert {client.get_random_node() for _ in range(50)} == {2}  # type: ignore[attr-defined]
+    assert {watch.pick() for _ in range(50)} == {2}
     client.hung.add(2)
     assert await watch.refresh()  # 2 first, then 3 (1 failed lately: last)
-    assert {client.get_random_node() for _ in range(50)} == {3}  # type: ignore[attr-defined]
+    assert {watch.pick() for _ in range(50)} == {3}
     client.hung = {1, 2, 3}
     assert not await watch.refresh()  # nobody answers: any broker, none preferred
-    assert {client.get_random_node() for _ in range(200)} == {1, 2, 3}  # type: ignore[attr-defined]
+    assert {watch.pick() for _ in range(200)} == {1, 2, 3}
+
+
+async def test_a_background_task_that_dies_fails_the_consumers_health_loudly(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # The metadata watch, the committer, the sharer: a death is a bug, never unobserved.
+    import logging
+
+    daemon = _daemon()
+    daemon._running = True
+    assert daemon.healthy()
+
+    async def broken() -> None:
+        raise RuntimeError("a bug in the watch")
+
+    task = asyncio.ensure_future(broken())
+    task.add_done_callback(daemon._watch)
+    await asyncio.gather(task, return_exceptions=True)
+    await asyncio.sleep(0)
+    assert not daemon.healthy()
+    (error,) = [r for r in caplog.records if r.levelno == logging.ERROR]
+    assert "a bug in the watch" in error.getMessage() and error.exc_info is not None

@@ -21,7 +21,8 @@ from outbox.daemon import (
     with_client_options,
 )
 from outbox.errors import ConfigurationError
-from outbox.oauthbearer import TokenUnavailable, _OAuthExchange, token_provider
+from outbox.kafka_room import client_of
+from outbox.oauthbearer import TokenUnavailable, token_provider
 from outbox.settings import OutboxSettings, load_settings
 from tests.support import oauth_tokens
 
@@ -134,7 +135,7 @@ async def test_every_client_gets_the_security_options(tmp_path: Path) -> None:
     admin = kafka_admin(s)
     assert isinstance(producer, AIOKafkaProducer) and isinstance(consumer, AIOKafkaConsumer)
     assert isinstance(admin, AIOKafkaAdminClient)
-    for client in (producer.client, consumer._client, admin._client):
+    for client in map(client_of, (producer, consumer, admin)):
         assert client._security_protocol == "SASL_SSL"
         assert client._sasl_plain_password == PASSWORD
         assert isinstance(client._ssl_context, ssl.SSLContext)
@@ -150,10 +151,10 @@ async def test_a_consumers_options_reach_its_admin_client_and_dlq_producer(tmp_p
     admin = kafka_admin(s)
     producer = kafka_producer(s)
     consumer = kafka_consumer(s, group_id=None)
-    assert admin._client._metadata_max_age_ms == 1234
+    assert client_of(admin)._metadata_max_age_ms == 1234
     assert producer.client._metadata_max_age_ms == 1234
     assert consumer._max_poll_records == 7
-    assert admin._client._client_id == "inbox-x"
+    assert client_of(admin)._client_id == "inbox-x"
 
 
 def test_the_safe_database_url_masks_a_tls_key_password() -> None:
@@ -204,23 +205,6 @@ async def test_a_failing_provider_is_a_connection_error_to_aiokafka() -> None:
     with pytest.raises(TokenUnavailable, match="RuntimeError: identity provider answered 503"):
         await guarded.token()
     assert issubclass(TokenUnavailable, KafkaConnectionError)
-
-
-async def test_a_rejected_token_gets_the_rfc_7628_reply_that_makes_the_broker_say_so() -> None:
-    def exchange() -> _OAuthExchange:
-        return _OAuthExchange(sasl_oauth_token_provider=oauth_tokens.valid)
-
-    rejected = exchange()
-    first = await rejected.step(None)
-    assert first is not None and first[0].startswith(b"n,,\x01auth=Bearer ")
-    assert await rejected.step(b'{"status":"invalid_token"}') == (b"\x01", True)
-    assert await rejected.step(b"") is None  # once only; the broker's error ends it
-    accepted = exchange()
-    await accepted.step(None)
-    assert await accepted.step(b"") is None  # success: an empty answer
-    odd = exchange()
-    await odd.step(None)
-    assert await odd.step(b"not json") is None
 
 
 @pytest.mark.parametrize(

@@ -130,3 +130,98 @@ def test_claimed_rows_are_put_back_a_few_megabytes_per_statement() -> None:
     chunks = list(RelayStore.restore_chunks(rows, [1] * n, [None] * n, [0.0] * n))
     assert [c["id"] for c in chunks] == [[0], [1, 2], [3], [4, 5]]
     assert all(sum(map(len, c["payload"])) <= max(RESTORE_CHUNK_BYTES, 5 * mib) for c in chunks)
+
+
+async def test_a_cancelled_delivery_leaves_no_batch_failure_unread() -> None:
+    # SIGTERM after a broker fault: deliveries still waiting were cancelled, then the
+    # producer's close failed their queued batches with ProducerClosed, and asyncio printed
+    # "Future exception was never retrieved" for each batch nobody awaited any more.
+    import gc
+
+    from relay.publisher import Publisher
+
+    loop = asyncio.get_running_loop()
+    unread: list[dict[str, object]] = []
+    previous = loop.get_exception_handler()
+    loop.set_exception_handler(lambda _loop, context: unread.append(context))
+    batches: list[asyncio.Future[None]] = []
+
+    class _Producer:
+        async def send_batch(self, builder: object, topic: str, partition: int) -> object:
+            batches.append(loop.create_future())
+            return batches[-1]
+
+    publisher = Publisher(OutboxSettings())
+    publisher._producers[0] = _Producer()  # type: ignore[assignment]
+    publisher._producer_of[("t", 0)] = 0
+    try:
+        delivery = asyncio.ensure_future(publisher._deliver(("t", 0), [(object(), [0])] * 3))
+        await asyncio.sleep(0)  # queued all three, waiting for the first
+        assert len(batches) == 3
+        delivery.cancel()
+        await asyncio.gather(delivery, return_exceptions=True)
+        closed = kerr.ProducerClosed()
+        for batch in batches[1:]:  # the first was awaited, so cancelled with the delivery
+            batch.set_exception(closed)
+        await asyncio.sleep(0)
+        del batch, batches[:], delivery
+        gc.collect()
+        await asyncio.sleep(0)
+    finally:
+        loop.set_exception_handler(previous)
+    assert unread == []
+
+
+async def test_a_background_task_that_dies_is_logged_at_error_and_fails_health(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # The leader watch, the metadata watch and the offset committer run until cancelled;
+    # one that raises used to end unobserved (the leader watch logged at DEBUG).
+    import logging
+
+    from outbox.daemon import supervise
+
+    died: list[str] = []
+
+    async def broken() -> None:
+        raise RuntimeError("a bug")
+
+    async def waiting() -> None:
+        await asyncio.sleep(60)
+
+    task, cancelled = asyncio.ensure_future(broken()), asyncio.ensure_future(waiting())
+    supervise(task, "leader watch", logging.getLogger("t.watch"), lambda: died.append("task"))
+    supervise(cancelled, "committer", logging.getLogger("t.watch"), lambda: died.append("c"))
+    cancelled.cancel()
+    await asyncio.gather(task, cancelled, return_exceptions=True)
+    await asyncio.sleep(0)
+    assert died == ["task"]  # cancelled: a normal stop
+    (error,) = [r for r in caplog.records if r.name == "t.watch"]
+    assert error.levelno == logging.ERROR
+    assert "leader watch died" in error.getMessage() and "a bug" in error.getMessage()
+    assert error.exc_info is not None  # the traceback, for the bug report
+
+
+async def test_a_leader_watch_that_dies_fails_the_relays_health_and_is_not_restarted(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    import logging
+
+    from relay.publisher import Publisher
+
+    publisher = Publisher(OutboxSettings())
+    starts: list[int] = []
+
+    async def broken() -> None:
+        starts.append(1)
+        raise KeyError("leader")  # an answer of a shape this code does not expect
+
+    publisher._watch_leaders = broken  # type: ignore[method-assign]
+    publisher._ensure_watch()
+    await asyncio.sleep(0.01)
+    assert publisher.failure is not None  # Relay.healthy() is False
+    publisher._ensure_watch()  # the next stall: not restarted into the same bug
+    await asyncio.sleep(0.01)
+    assert starts == [1]
+    (error,) = [r for r in caplog.records if r.levelno == logging.ERROR]
+    assert "relay leader watch died" in error.getMessage()
