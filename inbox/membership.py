@@ -40,6 +40,7 @@ from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 from aiokafka.errors import BrokerResponseError, KafkaError
 
 from inbox.errors import DuplicateInstanceId, SessionTimeoutRefused
+from outbox import kafka_room
 from outbox.daemon import kafka_admin, kafka_refusal, start_kafka
 from outbox.errors import BrokerUnavailable
 from outbox.settings import OutboxSettings
@@ -73,11 +74,9 @@ class FencedInstanceIdError(BrokerResponseError):  # type: ignore[misc]  # aioka
 
 def register_fenced_error() -> None:
     """Name Kafka's error code 82, which aiokafka 0.14 maps to UnknownError: its errors
-    then keep the broker's error name (``KafkaError('FencedInstanceIdError()')``)."""
-    if kerr.for_code(FENCED_INSTANCE_ID) is kerr.UnknownError:
-        kerr.kafka_errors[FENCED_INSTANCE_ID] = FencedInstanceIdError
-    if not issubclass(kerr.for_code(FENCED_INSTANCE_ID), BrokerResponseError):
-        raise RuntimeError("aiokafka.errors.for_code(82) cannot be named")  # a bug: loud
+    then keep the broker's error name (``KafkaError('FencedInstanceIdError()')``). Through
+    the Kafka room, which says once when this aiokafka does not allow it."""
+    kafka_room.name_error_code(FENCED_INSTANCE_ID, FencedInstanceIdError)
 
 
 def is_fenced(exc: BaseException) -> bool:
@@ -178,21 +177,14 @@ class Membership:
         self._generation: int | None = None
         self._first_join: float | None = None
         self._incumbent: bool | None = None  # decided at the first take-over
-        # The private parts used (the group coordinator's generation, and its reset when
-        # fenced), checked once the consumer has started.
-        coordinator = getattr(kafka, "_coordinator", None)
-        if not hasattr(coordinator, "generation") or not callable(
-            getattr(coordinator, "reset_generation", None)
-        ):
-            raise RuntimeError("aiokafka changed: AIOKafkaConsumer._coordinator is not as known")
-
-    def _current_generation(self) -> int:
-        return int(self._kafka._coordinator.generation)
 
     def joined(self) -> DuplicateInstanceId | None:
         """Called when partitions are assigned; the error to stop with, when this process
-        is the newcomer of a duplicate pair."""
-        generation = self._current_generation()
+        is the newcomer of a duplicate pair. (Never, when the Kafka room cannot read the
+        group's generation: it said so at start.)"""
+        generation = kafka_room.group_generation(self._kafka)
+        if generation is None:
+            return None
         now = time.monotonic()
         previous, self._generation = self._generation, generation
         if self._first_join is None:
@@ -218,7 +210,8 @@ class Membership:
         newcomer then stops)."""
         if not is_fenced(exc) or not self._is_incumbent():
             return False
-        self._kafka._coordinator.reset_generation()
+        if not kafka_room.reset_group_member(self._kafka):
+            return False
         log.error(
             "another live consumer joined with group instance id %s and fenced this member "
             "(FencedInstanceIdError); joining again (that process stops if it started last)",

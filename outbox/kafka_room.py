@@ -70,7 +70,13 @@ OAUTH_EXCHANGE = Capability(
     "SaslAuthenticationFailed",
     "aiokafka.conn.OAuthAuthenticator",
 )
-CAPABILITIES = (BROKER_CHOICE, METADATA, ABANDON, FETCH_WAIT, OAUTH_EXCHANGE)
+GROUP_GENERATION = Capability(
+    "group generation",
+    "a second live consumer with the same group instance id is not told apart (the two take "
+    "the member from each other in turn; the inbox still applies each event once)",
+    "AIOKafkaConsumer._coordinator (generation, reset_generation), aiokafka.errors.kafka_errors",
+)
+CAPABILITIES = (BROKER_CHOICE, METADATA, ABANDON, FETCH_WAIT, OAUTH_EXCHANGE, GROUP_GENERATION)
 
 # Capability name -> why it is lost; None until checked. Process-wide, like aiokafka.
 _lost: dict[str, str] | None = None
@@ -160,12 +166,26 @@ def _probe_oauth() -> str | None:
     return _method(found, "step")
 
 
+def _probe_group_generation() -> str | None:
+    from aiokafka.consumer.group_coordinator import GroupCoordinator
+
+    errors = _module("aiokafka.errors")
+    if not isinstance(getattr(errors, "kafka_errors", None), dict):
+        return "aiokafka.errors.kafka_errors is gone"
+    return (
+        _assigns(aiokafka.AIOKafkaConsumer, "_coordinator")
+        or _assigns(GroupCoordinator, "generation")
+        or _method(GroupCoordinator, "reset_generation")
+    )
+
+
 _PROBES: dict[str, Callable[[], str | None]] = {
     BROKER_CHOICE.name: _probe_broker_choice,
     METADATA.name: _probe_metadata,
     ABANDON.name: _probe_abandon,
     FETCH_WAIT.name: _probe_fetch_wait,
     OAUTH_EXCHANGE.name: _probe_oauth,
+    GROUP_GENERATION.name: _probe_group_generation,
 }
 
 
@@ -356,6 +376,45 @@ def set_fetch_wait(consumer: Any, min_bytes: int, max_wait_ms: int) -> bool:
         fetcher._fetch_min_bytes, fetcher._fetch_max_wait_ms = min_bytes, max_wait_ms
     except AttributeError as exc:
         _lose(FETCH_WAIT, exc)
+        return False
+    return True
+
+
+# ---------------------------------------------------------------------- group generation
+
+
+def name_error_code(code: int, error: type) -> bool:
+    """Give Kafka error ``code``, which this aiokafka does not know (``UnknownError``), the
+    class ``error``, so its failures keep the broker's error name. False when it cannot."""
+    if not usable(GROUP_GENERATION):
+        return False
+    errors = _module("aiokafka.errors")
+    if errors.for_code(code) is errors.UnknownError:
+        errors.kafka_errors[code] = error
+    return errors.for_code(code) is error or errors.for_code(code) is not errors.UnknownError
+
+
+def group_generation(consumer: Any) -> int | None:
+    """The generation of the group a started consumer is a member of; None when this
+    aiokafka does not let the room read it."""
+    if not usable(GROUP_GENERATION):
+        return None
+    try:
+        return int(consumer._coordinator.generation)
+    except (AttributeError, TypeError, ValueError) as exc:
+        _lose(GROUP_GENERATION, exc)
+        return None
+
+
+def reset_group_member(consumer: Any) -> bool:
+    """Forget the consumer's member id, so that its next join is a fresh one (aiokafka
+    would otherwise join again under a fenced id, and be fenced forever)."""
+    if not usable(GROUP_GENERATION):
+        return False
+    try:
+        consumer._coordinator.reset_generation()
+    except AttributeError as exc:
+        _lose(GROUP_GENERATION, exc)
         return False
     return True
 

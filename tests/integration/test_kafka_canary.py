@@ -163,6 +163,32 @@ async def test_the_fetch_wait_is_read_and_changed_on_a_running_consumer(
     assert got and held > 0.8, held  # answered at once (~10 ms) with the old settings
 
 
+async def test_a_group_members_generation_is_read_and_its_member_id_reset(
+    kafka_bootstrap: str, new_topic: Callable[..., Awaitable[str]]
+) -> None:
+    topic = await new_topic()
+    consumer = AIOKafkaConsumer(
+        topic, bootstrap_servers=kafka_bootstrap, group_id=f"canary-{uuid.uuid4().hex[:8]}"
+    )
+    await consumer.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not consumer.assignment() and time.monotonic() < deadline:
+            await consumer.getmany(timeout_ms=200)
+        assert consumer.assignment()
+        generation = kafka_room.group_generation(consumer)
+        assert generation is not None and generation >= 1
+        assert kafka_room.reset_group_member(consumer)
+        assert kafka_room.group_generation(consumer) == -1  # a fresh join comes next
+    finally:
+        await consumer.stop()
+    # Kafka error 82 gets a name (aiokafka 0.14 calls it UnknownError).
+    from inbox.membership import FENCED_INSTANCE_ID, FencedInstanceIdError
+
+    assert kafka_room.name_error_code(FENCED_INSTANCE_ID, FencedInstanceIdError)
+    assert aiokafka.errors.for_code(FENCED_INSTANCE_ID) is FencedInstanceIdError
+
+
 def test_the_oauthbearer_exchange_is_installed_over_aiokafkas() -> None:
     assert kafka_room.install_oauth_exchange()
     installed = aiokafka.conn.OAuthAuthenticator

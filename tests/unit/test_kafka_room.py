@@ -26,13 +26,14 @@ ROOT = Path(__file__).resolve().parents[2]
 PRIVATE = re.compile(
     r"\._client\b|\._fetcher\b|_message_accumulator|get_random_node|_send_request"
     r"|OAuthAuthenticator|MetadataRequest|_fetch_min_bytes|_fetch_max_wait_ms"
-    r"|_pending_batches|\bfail_all\b"
+    r"|_pending_batches|\bfail_all\b|\._coordinator\b|reset_generation|kafka_errors\["
 )
 # The room, and the tests that exercise it against aiokafka.
 ROOM = {
     "outbox/kafka_room.py",
     "tests/unit/test_kafka_room.py",
     "tests/integration/test_kafka_canary.py",
+    "tests/unit/test_membership.py",  # a fake of the consumer's coordinator
 }
 SOURCES = ("outbox", "relay", "inbox", "cli", "bench", "examples", "tests", "scripts")
 
