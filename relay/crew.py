@@ -30,8 +30,9 @@ from collections.abc import Sequence
 from outbox.settings import RelaySettings
 from relay.store import ClaimedRow, payload_bytes
 
-# How long the other pipelines keep claiming after the last big claim: a backlog drains in
-# big claims back to back, so a second without one means the stream is light again.
+# How long the other pipelines keep claiming after the last big claim or slow batch: a
+# backlog drains in big claims back to back, so a second without either means the stream
+# is light again.
 BUSY_HOLD_SECONDS = 1.0
 
 
