@@ -31,6 +31,7 @@ from outbox.daemon import (
     kafka_admin,
     kafka_producer,
     kafka_refusal,
+    raise_admin_failure,
     start_kafka,
     topic_error,
 )
@@ -89,10 +90,7 @@ async def ensure_topics(settings: OutboxSettings, topics: Sequence[str]) -> None
         for topic in present:
             _check_dead_letter_limit(topic, topic + suffix, limits)
     except KafkaError as exc:
-        refused = kafka_refusal(exc)
-        if refused is not None:
-            raise refused from None
-        raise BrokerUnavailable(f"Kafka admin request failed: {type(exc).__name__}") from exc
+        raise_admin_failure(exc)
     finally:
         await admin.close()
 

@@ -41,8 +41,7 @@ from aiokafka.errors import BrokerResponseError, KafkaError
 
 from inbox.errors import DuplicateInstanceId, SessionTimeoutRefused
 from outbox import kafka_room
-from outbox.daemon import kafka_admin, kafka_refusal, start_kafka
-from outbox.errors import BrokerUnavailable
+from outbox.daemon import kafka_admin, raise_admin_failure, start_kafka
 from outbox.settings import OutboxSettings
 
 log = logging.getLogger("outbox.inbox")
@@ -125,10 +124,7 @@ async def check_session_timeout(settings: OutboxSettings, timeout_ms: int) -> No
                     if entry[0] in values and entry[1] is not None:
                         values[entry[0]].append(int(entry[1]))
     except KafkaError as exc:
-        refused = kafka_refusal(exc)
-        if refused is not None:
-            raise refused from None
-        raise BrokerUnavailable(f"Kafka admin request failed: {type(exc).__name__}") from exc
+        raise_admin_failure(exc)
     finally:
         await admin.close()
     low, high = max(values[_MIN], default=0), min(values[_MAX], default=timeout_ms)

@@ -19,7 +19,7 @@ import ssl
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any, NoReturn, Protocol
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
@@ -38,7 +38,7 @@ from prometheus_client import CollectorRegistry, make_wsgi_app
 from pydantic import SecretStr
 
 from outbox import kafka_room
-from outbox.errors import BrokerRefused, ConfigurationError
+from outbox.errors import BrokerRefused, BrokerUnavailable, ConfigurationError
 from outbox.oauthbearer import TokenUnavailable, token_provider
 from outbox.settings import KafkaSettings, OutboxSettings
 
@@ -360,6 +360,15 @@ def kafka_refusal(exc: BaseException) -> BrokerRefused | None:
             )
         seen = seen.__cause__ or seen.__context__
     return None
+
+
+def raise_admin_failure(exc: BaseException) -> NoReturn:
+    """Raise a failed admin request as the framework's error: the refusal it carries
+    (configuration: exit 2, without aiokafka's chain), else Kafka unavailable (retried)."""
+    refused = kafka_refusal(exc)
+    if refused is not None:
+        raise refused from None
+    raise BrokerUnavailable(f"Kafka admin request failed: {type(exc).__name__}") from exc
 
 
 UNKNOWN_TOPIC = 3  # the error code of a DescribeTopics answer for a topic that is not there
