@@ -473,6 +473,38 @@ class KafkaSettings(_Section):
         return self.security_protocol.startswith("SASL_")
 
 
+class WalSettings(_Section):
+    """The relay's WAL source (``source = "wal"``): events carried by logical-decoding
+    messages instead of outbox rows (docs/howto/wal-source.md)."""
+
+    slot: str = Field(
+        "outbox_relay", description="Logical replication slot the relay reads (pgoutput)."
+    )
+    publication: str = Field(
+        "outbox", description="Publication named to pgoutput; it needs no tables."
+    )
+    prefix: str = Field(
+        "outbox", description="Prefix of the logical messages that carry events."
+    )
+    batch_changes: int = Field(
+        10_000,
+        ge=1,
+        le=1_000_000,
+        description="Most changes read from the slot per read (upto_nchanges): bounds memory.",
+    )
+    heartbeat_seconds: float = Field(
+        10.0,
+        gt=0,
+        description="How often an idle relay writes a transactional heartbeat so the slot's "
+        "confirmed position (and the WAL it holds) keeps moving.",
+    )
+
+    @field_validator("slot", "publication")
+    @classmethod
+    def _check_name(cls, value: str, info: Any) -> str:
+        return identifiers.sql_identifier(value, f"wal.{info.field_name}")
+
+
 class OutboxSettings(BaseSettings):
     """All configuration of outbox-inbox, read from ``OUTBOX_*`` environment variables
     (nested sections with ``__``: ``OUTBOX_RELAY__BATCH_SIZE``), a ``.env`` file or keyword
@@ -513,6 +545,12 @@ class OutboxSettings(BaseSettings):
     default_source: str = Field(
         "urn:outbox-inbox", description="CloudEvents `source` when publish() is given none."
     )
+    source: Literal["table", "wal"] = Field(
+        "table",
+        description="Where producers put events and the relay reads them: the outbox table, "
+        "or the WAL as logical-decoding messages (see wal).",
+    )
+    wal: WalSettings = WalSettings()
     retry: RetrySettings = RetrySettings()
     relay: RelaySettings = RelaySettings()
     consumer: ConsumerSettings = ConsumerSettings()
