@@ -127,3 +127,53 @@ class TopicMissing(ConfigurationError):
             "(the framework never relies on topic auto-creation)"
         )
         self.topic = topic
+
+
+class WalSetupError(ConfigurationError):
+    """The WAL source (``source = "wal"``) cannot be set up or read as configured.
+
+    ``sql`` is the script an administrator can run to fix it (empty when no SQL can: a
+    server setting that needs a restart), printed by ``outbox wal setup`` instead of a
+    traceback. Daemons and one-shot commands exit 2.
+    """
+
+    def __init__(self, message: str, sql: str = "", sqlstate: str | None = None) -> None:
+        super().__init__(message)
+        self.sql = sql
+        self.sqlstate = sqlstate
+
+
+class WalPrivilegeMissing(WalSetupError):
+    """This role may not create the publication (it needs CREATE on the database) or the
+    replication slot (REPLICATION or superuser; SQLSTATE 42501): ``sql`` is what an
+    administrator runs instead."""
+
+
+class WalLevelNotLogical(WalSetupError):
+    """The server's ``wal_level`` is not ``logical``: logical decoding is impossible until
+    it is set and PostgreSQL restarted."""
+
+
+class WalSlotMismatch(WalSetupError):
+    """A replication slot of the configured name exists but is not a logical ``pgoutput``
+    slot of this database (physical, another plugin, or another database: slot names are
+    server-wide)."""
+
+
+class WalSlotLost(ConfigurationError):
+    """The replication slot was invalidated (``wal_status = lost``, usually by
+    ``max_slot_wal_keep_size``): the WAL after its confirmed position is gone, and with it
+    every event committed since that the relay had not confirmed. There is no table to read
+    them again from; the relay stops (exit 2) rather than silently start again from now."""
+
+    def __init__(self, slot: str, confirmed_lsn: str | None) -> None:
+        since = f"LSN {confirmed_lsn}" if confirmed_lsn else "its last confirmed position"
+        super().__init__(
+            f"replication slot {slot!r} is lost (wal_status lost): events committed since "
+            f"{since} and not yet relayed may be lost; compare the producers' records "
+            "since then with the topics, then drop and re-create the slot "
+            f"(SELECT pg_drop_replication_slot('{slot}'); then `outbox wal setup`), "
+            "see docs/operations/wal-slot.md"
+        )
+        self.slot = slot
+        self.confirmed_lsn = confirmed_lsn
