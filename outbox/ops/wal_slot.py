@@ -20,6 +20,7 @@ everything decoded before its creation.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import psycopg.errors
@@ -110,6 +111,7 @@ class SetupResult:
     publication_created: bool
     slot_created: bool
     slot_lsn: str | None  # the slot's consistent point when it was created now
+    server: ServerWal
 
 
 def read_server(conn: Connection) -> ServerWal:
@@ -173,14 +175,20 @@ def setup_sql(
     return "\n".join(lines) + "\n"
 
 
-def ensure_on(conn: Connection, settings: OutboxSettings) -> SetupResult:
+def ensure_on(
+    conn: Connection,
+    settings: OutboxSettings,
+    progress: Callable[[str], None] | None = None,
+) -> SetupResult:
     """Create the publication, then the slot, where missing (idempotent, safe to run
     concurrently). ``conn`` must be in autocommit mode: the slot cannot be created in a
     transaction that has written (the publication's catalog rows).
 
     Raises :class:`WalLevelNotLogical`, :class:`WalSlotMismatch` (a slot of that name that
     is not this database's pgoutput slot) or :class:`WalPrivilegeMissing` with the SQL an
-    administrator runs instead (``exc.sql``)."""
+    administrator runs instead (``exc.sql``). ``progress`` is told about each object
+    created (and before the slot, whose creation may wait)."""
+    tell = progress or (lambda _: None)
     server = read_server(conn)
     if server.wal_level != "logical":
         raise WalLevelNotLogical(
@@ -200,18 +208,23 @@ def ensure_on(conn: Connection, settings: OutboxSettings) -> SetupResult:
     publication_created = False
     if not _publication_exists(conn, wal.publication):
         publication_created = _create_publication(conn, wal.publication, server, admin)
+        if publication_created:
+            tell(f"created publication {wal.publication}")
     slot_lsn = None
     if slot is None:
+        tell(f"creating replication slot {wal.slot} (waits for the transactions open now)")
         slot_lsn = _create_slot(conn, wal.slot, server, admin)
-    return SetupResult(publication_created, slot_lsn is not None, slot_lsn)
+        if slot_lsn is not None:
+            tell(f"created replication slot {wal.slot} at LSN {slot_lsn}")
+    return SetupResult(publication_created, slot_lsn is not None, slot_lsn, server)
 
 
-def ensure(settings: OutboxSettings) -> SetupResult:
+def ensure(settings: OutboxSettings, progress: Callable[[str], None] | None = None) -> SetupResult:
     """:func:`ensure_on` over a connection of its own to ``settings.database_url``."""
     engine = sync_engine(settings, pool_pre_ping=False, isolation_level="AUTOCOMMIT")
     try:
         with translated_errors(), engine.connect() as conn:
-            return ensure_on(conn, settings)
+            return ensure_on(conn, settings, progress)
     finally:
         engine.dispose()
 
