@@ -28,7 +28,8 @@ from outbox.daemon import stop_on_signals
 from outbox.db import async_engine
 from outbox.errors import ConfigurationError
 from outbox.ops.cleanup import Retention, TargetResult, run_cleanup
-from outbox.ops.doctor import DoctorOptions, Finding, diagnose, exit_code, to_dicts
+from outbox.ops.doctor import DoctorOptions, diagnose, exit_code, to_dicts
+from outbox.ops.findings import Finding
 from outbox.ops.lag import LagReport, RateTracker, Thresholds, collect
 from outbox.settings import OutboxSettings
 

@@ -158,22 +158,3 @@ class WalSlotMismatch(WalSetupError):
     """A replication slot of the configured name exists but is not a logical ``pgoutput``
     slot of this database (physical, another plugin, or another database: slot names are
     server-wide)."""
-
-
-class WalSlotLost(ConfigurationError):
-    """The replication slot was invalidated (``wal_status = lost``, usually by
-    ``max_slot_wal_keep_size``): the WAL after its confirmed position is gone, and with it
-    every event committed since that the relay had not confirmed. There is no table to read
-    them again from; the relay stops (exit 2) rather than silently start again from now."""
-
-    def __init__(self, slot: str, confirmed_lsn: str | None) -> None:
-        since = f"LSN {confirmed_lsn}" if confirmed_lsn else "its last confirmed position"
-        super().__init__(
-            f"replication slot {slot!r} is lost (wal_status lost): events committed since "
-            f"{since} and not yet relayed may be lost; compare the producers' records "
-            "since then with the topics, then drop and re-create the slot "
-            f"(SELECT pg_drop_replication_slot('{slot}'); then `outbox wal setup`), "
-            "see docs/operations/wal-slot.md"
-        )
-        self.slot = slot
-        self.confirmed_lsn = confirmed_lsn

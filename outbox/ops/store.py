@@ -185,7 +185,23 @@ WAL_CREATE_SLOT = text(
     "SELECT lsn::text FROM pg_create_logical_replication_slot(:slot, 'pgoutput')"
 )
 
-WAL_POSITION = text("SELECT pg_current_wal_lsn()::text")
+# The lag probe (outbox/ops/wal_slot.py): a temporary copy of the slot, at the same
+# confirmed position, is peeked instead of the slot itself (a peek takes the slot, and the
+# relay's own reads would fail meanwhile). The first transaction it decodes is the oldest
+# one the relay has not confirmed; its BEGIN carries its commit time. Needs REPLICATION.
+WAL_PROBE_COPY = text("SELECT pg_copy_logical_replication_slot(:slot, :probe, true)")
+WAL_PROBE_PEEK = text(
+    """
+    SELECT data, clock_timestamp() AS db_now
+    FROM pg_logical_slot_peek_binary_changes(:probe, NULL, :n, 'proto_version', '1',
+         'publication_names', :publication, 'messages', 'true')
+    LIMIT :n
+    """
+)
+WAL_PROBE_DROP = text(
+    "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE slot_name = :probe"
+)
+WAL_CLOCK = text("SELECT clock_timestamp()")
 
 
 @dataclass(frozen=True)

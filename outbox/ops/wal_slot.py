@@ -15,18 +15,24 @@ The publication is created before the slot: pgoutput looks publications up in th
 catalog as of the WAL it decodes, and one created after the slot's start is missing for
 everything decoded before its creation.
 
-``read_state`` is the slot's state for ``doctor``, ``lag`` and the relay's metrics.
+``read_state`` is the slot's state for ``doctor``, ``lag`` and the relay's metrics;
+``lag_seconds`` measures how old the oldest transaction the relay has not confirmed is.
 """
 
 from __future__ import annotations
 
+import os
+import secrets
+import struct
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
 
 import psycopg.errors
 from sqlalchemy import Connection, text
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.exc import DBAPIError
+from sqlalchemy.pool import NullPool
 
 from outbox.db import describe, sync_engine, translated_errors
 from outbox.errors import (
@@ -36,6 +42,9 @@ from outbox.errors import (
 )
 from outbox.ops.store import (
     WAL_CREATE_SLOT,
+    WAL_PROBE_COPY,
+    WAL_PROBE_DROP,
+    WAL_PROBE_PEEK,
     WAL_PUBLICATION,
     WAL_SETTINGS,
     WAL_SLOT_QUERY,
@@ -272,3 +281,74 @@ def _refused(exc: BaseException, what: str, admin: str) -> WalPrivilegeMissing:
         sql=admin,
         sqlstate=sqlstate,
     )
+
+
+# pgoutput (protocol 1) BEGIN: b"B", final LSN (int64), commit time (int64 microseconds
+# since 2000-01-01 UTC), xid (int32).
+_BEGIN = struct.Struct("!cqqi")
+_PG_EPOCH = datetime(2000, 1, 1, tzinfo=UTC)
+# Rows read from the probe: the first transaction's BEGIN is the first row unless
+# non-transactional messages (no BEGIN) come before it.
+_PROBE_ROWS = 16
+
+
+def commit_time(data: bytes) -> datetime | None:
+    """The commit time in a pgoutput BEGIN message, None for any other message."""
+    if len(data) != _BEGIN.size or data[:1] != b"B":
+        return None
+    _, _, micros, _ = _BEGIN.unpack(data)
+    return _PG_EPOCH + timedelta(microseconds=micros)
+
+
+@dataclass(frozen=True)
+class LagProbe:
+    """Age of the oldest transaction in the slot the relay has not confirmed: 0.0 when
+    there is none (caught up), None with ``reason`` when it could not be measured."""
+
+    seconds: float | None
+    reason: str | None = None
+
+
+def lag_seconds(settings: OutboxSettings, timeout_seconds: float = 10) -> LagProbe:
+    """Measure the slot's lag in seconds, on the database clock, over a connection of its
+    own.
+
+    PostgreSQL has no "time of an LSN"; the commit time of the first transaction past the
+    slot's confirmed position is exact. It is read from a temporary copy of the slot
+    (``pg_copy_logical_replication_slot``): peeking the slot itself would take it from the
+    relay for the duration. The copy is dropped at once (and by PostgreSQL when the session
+    ends in any case). Needs REPLICATION (or superuser); decoding stops after the first
+    transaction and is bounded by ``timeout_seconds``. The relay's heartbeat keeps an idle,
+    caught-up slot's figure near or below ``wal.heartbeat_seconds``.
+    """
+    wal = settings.wal
+    # Slot names: at most 63 characters of a-z, 0-9 and _.
+    probe = f"outbox_lag_probe_{os.getpid()}_{secrets.token_hex(4)}"
+    engine = sync_engine(settings, pool_pre_ping=False, poolclass=NullPool)
+    try:
+        with translated_errors(), engine.connect() as conn:
+            try:
+                with conn.begin():
+                    timeout = int(timeout_seconds * 1000)
+                    conn.exec_driver_sql(f"SET LOCAL statement_timeout = {timeout}")
+                    conn.execute(WAL_PROBE_COPY, {"slot": wal.slot, "probe": probe})
+                    rows = conn.execute(
+                        WAL_PROBE_PEEK,
+                        {"probe": probe, "n": _PROBE_ROWS, "publication": wal.publication},
+                    ).all()
+            except DBAPIError as exc:
+                if exc.connection_invalidated:
+                    raise
+                sqlstate, message, _ = describe(exc)
+                return LagProbe(None, f"{message} [SQLSTATE {sqlstate}]")
+            finally:
+                # Creating a slot is not undone by a rollback.
+                with conn.begin():
+                    conn.execute(WAL_PROBE_DROP, {"probe": probe})
+    finally:
+        engine.dispose()
+    for data, db_now in rows:
+        committed = commit_time(bytes(data))
+        if committed is not None:
+            return LagProbe(max(0.0, (db_now - committed).total_seconds()))
+    return LagProbe(0.0)

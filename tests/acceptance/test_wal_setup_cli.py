@@ -14,7 +14,7 @@ from sqlalchemy.engine import make_url
 
 from outbox.settings import OutboxSettings
 from tests.acceptance.conftest import Cli
-from tests.support.wal import wal_names
+from tests.support.wal_slots import wal_names
 
 pytestmark = pytest.mark.acceptance
 
