@@ -30,7 +30,7 @@ from outbox.errors import ConfigurationError
 from outbox.ops.cleanup import Retention, TargetResult, run_cleanup
 from outbox.ops.doctor import DoctorOptions, diagnose, exit_code, to_dicts
 from outbox.ops.findings import Finding
-from outbox.ops.lag import LagReport, RateTracker, Thresholds, collect
+from outbox.ops.lag import LagReport, RateTracker, Thresholds, WalLag, collect
 from outbox.settings import OutboxSettings
 
 app = typer.Typer()
@@ -147,6 +147,8 @@ def _render_lag(report: LagReport, breaches: list[str]) -> Group:
     shown: list[Any] = [topics, relays, groups]
     if report.vacuum is not None:
         shown.append(Text(_vacuum_line(report), style="yellow" if _snapshot_held(report) else ""))
+    if report.wal is not None:
+        shown.append(_wal_line(report.wal))
     if report.kafka_error:
         shown.append(Text(f"kafka: {report.kafka_error}", style="yellow"))
     shown.extend(Text(f"THRESHOLD EXCEEDED: {b}", style="bold red") for b in breaches)
@@ -172,6 +174,28 @@ def _vacuum_line(report: LagReport) -> str:
     return f"vacuum: outbox {dead} dead rows; oldest snapshot: {held}"
 
 
+def _mib(n: int | None) -> str:
+    return "?" if n is None else f"{n / 1_048_576:,.1f} MiB"
+
+
+def _wal_line(wal: WalLag) -> Text:
+    """The WAL source's slot on one line, red when it is missing, unreserved or lost."""
+    if not wal.exists:
+        return Text(f"wal slot {wal.slot}: MISSING (`outbox wal setup`)", style="bold red")
+    lag = _age(wal.lag_seconds) if wal.lag_seconds is not None else f"? ({wal.lag_unknown})"
+    bound = (
+        "unbounded (max_slot_wal_keep_size -1)"
+        if wal.max_slot_wal_keep_size is not None and wal.max_slot_wal_keep_size < 0
+        else f"{_mib(wal.safe_wal_size)} more before invalidation"
+    )
+    text = (
+        f"wal slot {wal.slot}: {wal.wal_status}, lag {lag}, retains {_mib(wal.retained_bytes)} "
+        f"({_mib(wal.unconfirmed_bytes)} unconfirmed, confirmed to {wal.confirmed_flush_lsn}); "
+        f"{bound}"
+    )
+    return Text(text, style="bold red" if wal.wal_status in ("unreserved", "lost") else "")
+
+
 def _lag_json(report: LagReport, breaches: list[str]) -> str:
     return json.dumps({**report.to_dict(), "breaches": breaches})
 
@@ -186,7 +210,8 @@ def lag(
         None,
         "--max-age",
         min=0,
-        help="Exit 3 when the oldest due pending event is older (seconds).",
+        help="Exit 3 when the oldest due pending event (WAL source: the oldest transaction "
+        "the slot has not confirmed) is older (seconds).",
     ),
     max_pending: int | None = typer.Option(
         None, "--max-pending", min=0, help="Exit 3 when more events are pending."
@@ -196,6 +221,12 @@ def lag(
         "--max-consumer-lag",
         min=0,
         help="Exit 3 when a consumer group lags by more records.",
+    ),
+    max_wal_bytes: int | None = typer.Option(
+        None,
+        "--max-wal-bytes",
+        min=0,
+        help="WAL source: exit 3 when the slot retains more WAL (bytes).",
     ),
     groups: list[str] = typer.Option([], "--group", help="Consumer group to inspect (repeatable)."),
     discover: bool = typer.Option(
@@ -214,9 +245,10 @@ def lag(
         "publish rate (0: no rate).",
     ),
 ) -> None:
-    """Pending events, their age, publish rate, consumer lag, dead letters and relays."""
+    """Pending events, their age, publish rate, consumer lag, dead letters and relays; with
+    the WAL source, its slot's retained WAL and lag in seconds."""
     settings = settings_of(ctx)
-    thresholds = Thresholds(max_age, max_pending, max_consumer_lag)
+    thresholds = Thresholds(max_age, max_pending, max_consumer_lag, max_wal_bytes)
     rates = RateTracker()
 
     async def snapshot(engine: Any) -> LagReport:

@@ -151,7 +151,7 @@ def _slot_findings(add: _Add, slot: SlotState, state: WalState, settings: Outbox
             "time",
             **details,
         )
-    else:
+    elif settings.source == "wal":  # in table mode, the warning above says it all
         add(
             "wal_slot",
             "ok",
