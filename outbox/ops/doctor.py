@@ -269,6 +269,19 @@ class _Doctor:
         if self.settings.source == "wal" or state.slot is not None:
             self.findings += wal_findings(state, self.settings)
 
+    def wal_switch(self, pending: int) -> None:
+        """In WAL mode, rows left in the outbox table come first: the WAL relay publishes
+        nothing from the slot until a table relay has drained them (switching, docs/howto)."""
+        if self.settings.source == "wal" and pending:
+            self.add(
+                "wal_switch",
+                "warn",
+                f"{pending} events are still pending in the outbox table: the WAL relay "
+                "publishes nothing from the slot until they are gone",
+                "keep a relay with --source table running until `outbox lag` shows 0 pending",
+                pending=pending,
+            )
+
     async def indexes(self, conn: AsyncConnection, pending: int) -> None:
         declared = {i.name: i for t in self.tables.metadata.sorted_tables for i in t.indexes}
         claim = f"{self.tables.events.name}_claim_idx"
@@ -644,6 +657,7 @@ async def diagnose(
                 await doctor.wal(conn)
                 if have_tables:
                     pending = int((await conn.execute(doctor.store.pending_total)).scalar_one())
+                    doctor.wal_switch(pending)
                     await doctor.indexes(conn, pending)
                     await doctor.storage(conn)
                     await doctor.snapshot(conn)
