@@ -31,6 +31,7 @@ from outbox.ops.cleanup import Retention, TargetResult, run_cleanup
 from outbox.ops.doctor import DoctorOptions, diagnose, exit_code, to_dicts
 from outbox.ops.findings import Finding
 from outbox.ops.lag import LagReport, RateTracker, Thresholds, WalLag, collect
+from outbox.ops.wal_health import mib
 from outbox.settings import OutboxSettings
 
 app = typer.Typer()
@@ -174,10 +175,6 @@ def _vacuum_line(report: LagReport) -> str:
     return f"vacuum: outbox {dead} dead rows; oldest snapshot: {held}"
 
 
-def _mib(n: int | None) -> str:
-    return "?" if n is None else f"{n / 1_048_576:,.1f} MiB"
-
-
 def _wal_line(wal: WalLag) -> Text:
     """The WAL source's slot on one line, red when it is missing, unreserved or lost."""
     if not wal.exists:
@@ -186,11 +183,11 @@ def _wal_line(wal: WalLag) -> Text:
     bound = (
         "unbounded (max_slot_wal_keep_size -1)"
         if wal.max_slot_wal_keep_size is not None and wal.max_slot_wal_keep_size < 0
-        else f"{_mib(wal.safe_wal_size)} more before invalidation"
+        else f"{mib(wal.safe_wal_size)} more before invalidation"
     )
     text = (
-        f"wal slot {wal.slot}: {wal.wal_status}, lag {lag}, retains {_mib(wal.retained_bytes)} "
-        f"({_mib(wal.unconfirmed_bytes)} unconfirmed, confirmed to {wal.confirmed_flush_lsn}); "
+        f"wal slot {wal.slot}: {wal.wal_status}, lag {lag}, retains {mib(wal.retained_bytes)} "
+        f"({mib(wal.unconfirmed_bytes)} unconfirmed, confirmed to {wal.confirmed_flush_lsn}); "
         f"{bound}"
     )
     return Text(text, style="bold red" if wal.wal_status in ("unreserved", "lost") else "")

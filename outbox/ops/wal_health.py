@@ -29,7 +29,8 @@ class _Add(Protocol):
     ) -> None: ...
 
 
-def _mib(n: int | None) -> str:
+def mib(n: int | None) -> str:
+    """Bytes as MiB for a report line ("?" when unknown)."""
     return "?" if n is None else f"{n / 1_048_576:,.1f} MiB"
 
 
@@ -122,7 +123,7 @@ def _slot_findings(add: _Add, slot: SlotState, state: WalState, settings: Outbox
             "wal_slot",
             "warn",
             f"replication slot {name} exists but OUTBOX_SOURCE is table: nobody reads it, "
-            f"and it holds {_mib(slot.retained_bytes)} of WAL",
+            f"and it holds {mib(slot.retained_bytes)} of WAL",
             "once a switch back to the table source is complete and the relay drained the "
             f"slot, drop it: SELECT pg_drop_replication_slot('{name}');",
             **details,
@@ -142,7 +143,7 @@ def _slot_findings(add: _Add, slot: SlotState, state: WalState, settings: Outbox
         add(
             "wal_slot",
             "warn",
-            f"replication slot {name} has fallen {_mib(slot.retained_bytes)} behind, past "
+            f"replication slot {name} has fallen {mib(slot.retained_bytes)} behind, past "
             "max_wal_size and beyond max_slot_wal_keep_size's guarantee (wal_status "
             "unreserved): the next checkpoint may invalidate it and lose every event it has "
             "not confirmed",
@@ -156,7 +157,7 @@ def _slot_findings(add: _Add, slot: SlotState, state: WalState, settings: Outbox
             "wal_slot",
             "ok",
             f"replication slot {name}: logical, pgoutput, wal_status {status}, retains "
-            f"{_mib(slot.retained_bytes)}, {_mib(slot.unconfirmed_bytes)} unconfirmed",
+            f"{mib(slot.retained_bytes)}, {mib(slot.unconfirmed_bytes)} unconfirmed",
             None,
             **details,
         )
@@ -170,7 +171,7 @@ def _retention(add: _Add, slot: SlotState, limit: int) -> None:
             "warn",
             "max_slot_wal_keep_size is -1 (unbounded): if the relay stops reading, slot "
             f"{slot.slot_name} keeps WAL on the primary until its disk is full "
-            f"(now {_mib(slot.retained_bytes)})",
+            f"(now {mib(slot.retained_bytes)})",
             "alert on outbox_relay_wal_retained_bytes (deploy/prometheus/alerts.yml), and "
             "either keep it unbounded with disk to spare or bound it: ALTER SYSTEM SET "
             "max_slot_wal_keep_size = '<size>'; SELECT pg_reload_conf(); — past that size "
@@ -185,8 +186,8 @@ def _retention(add: _Add, slot: SlotState, limit: int) -> None:
         add(
             "wal_retention",
             "warn",
-            f"slot {slot.slot_name} may fall only {_mib(safe)} more behind before it is "
-            f"invalidated (max_slot_wal_keep_size {_mib(limit)})",
+            f"slot {slot.slot_name} may fall only {mib(safe)} more behind before it is "
+            f"invalidated (max_slot_wal_keep_size {mib(limit)})",
             "get the relay reading (`outbox lag`), or raise max_slot_wal_keep_size",
             safe_wal_size=safe,
             max_slot_wal_keep_size=limit,
@@ -195,8 +196,8 @@ def _retention(add: _Add, slot: SlotState, limit: int) -> None:
         add(
             "wal_retention",
             "ok",
-            f"max_slot_wal_keep_size {_mib(limit)}; slot {slot.slot_name} may fall "
-            f"{_mib(safe)} more behind",
+            f"max_slot_wal_keep_size {mib(limit)}; slot {slot.slot_name} may fall "
+            f"{mib(safe)} more behind",
             safe_wal_size=safe,
             max_slot_wal_keep_size=limit,
         )

@@ -27,9 +27,10 @@ import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import psycopg.errors
-from sqlalchemy import Connection, text
+from sqlalchemy import Connection, CursorResult, TextClause, text
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.pool import NullPool
@@ -238,39 +239,37 @@ def ensure(settings: OutboxSettings, progress: Callable[[str], None] | None = No
         engine.dispose()
 
 
-def _create_publication(conn: Connection, name: str, server: ServerWal, admin: str) -> bool:
+def _create(
+    conn: Connection, statement: TextClause, params: dict[str, str], denied: str, admin: str
+) -> CursorResult[Any] | None:
+    """Run one CREATE; None when a concurrent set-up made the object first. A refusal
+    (42501) is :class:`WalPrivilegeMissing` saying what ``denied`` the role, with the SQL."""
     try:
-        conn.execute(text(f"CREATE PUBLICATION {_ident(name)}"))
+        return conn.execute(statement, params)
     except DBAPIError as exc:
-        orig = exc.orig
-        if isinstance(orig, psycopg.errors.DuplicateObject):
-            return False  # created meanwhile by a concurrent set-up
-        if isinstance(orig, psycopg.errors.InsufficientPrivilege):
-            raise _refused(
-                exc,
-                f"role {server.user} may not create publication {name!r} (it needs "
-                f"CREATE on database {server.database})",
-                admin,
-            ) from exc
+        if isinstance(exc.orig, psycopg.errors.DuplicateObject):
+            return None
+        if isinstance(exc.orig, psycopg.errors.InsufficientPrivilege):
+            raise _refused(exc, denied, admin) from exc
         raise
-    return True
+
+
+def _create_publication(conn: Connection, name: str, server: ServerWal, admin: str) -> bool:
+    denied = (
+        f"role {server.user} may not create publication {name!r} (it needs CREATE on "
+        f"database {server.database})"
+    )
+    created = _create(conn, text(f"CREATE PUBLICATION {_ident(name)}"), {}, denied, admin)
+    return created is not None
 
 
 def _create_slot(conn: Connection, slot: str, server: ServerWal, admin: str) -> str | None:
-    try:
-        return str(conn.execute(WAL_CREATE_SLOT, {"slot": slot}).scalar_one())
-    except DBAPIError as exc:
-        orig = exc.orig
-        if isinstance(orig, psycopg.errors.DuplicateObject):
-            return None  # created meanwhile by a concurrent set-up
-        if isinstance(orig, psycopg.errors.InsufficientPrivilege):
-            raise _refused(
-                exc,
-                f"role {server.user} may not create replication slot {slot!r} (it "
-                "needs REPLICATION or superuser)",
-                admin,
-            ) from exc
-        raise
+    denied = (
+        f"role {server.user} may not create replication slot {slot!r} (it needs REPLICATION "
+        "or superuser)"
+    )
+    created = _create(conn, WAL_CREATE_SLOT, {"slot": slot}, denied, admin)
+    return None if created is None else str(created.scalar_one())
 
 
 def _refused(exc: BaseException, what: str, admin: str) -> WalPrivilegeMissing:

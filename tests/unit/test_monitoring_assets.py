@@ -106,10 +106,15 @@ tests:
 
 @pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed")
 def test_lag_alert_fires_per_consumer_from_its_own_gauge_or_the_exporters(tmp_path: Path) -> None:
-    tests = tmp_path / "lag_tests.yml"
-    tests.write_text(LAG_TESTS.format(rules=json.dumps(str(ALERTS))))
+    promtool_test(tmp_path, LAG_TESTS)
+
+
+def promtool_test(tmp_path: Path, tests: str) -> None:
+    """Run promtool's rule unit tests ``tests`` (``{rules}``: the rules file) and pass."""
+    path = tmp_path / "rule_tests.yml"
+    path.write_text(tests.format(rules=json.dumps(str(ALERTS))))
     proc = subprocess.run(
-        ["promtool", "test", "rules", str(tests)], capture_output=True, text=True, check=False
+        ["promtool", "test", "rules", str(path)], capture_output=True, text=True, check=False
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
@@ -192,9 +197,4 @@ tests:
 
 @pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed")
 def test_wal_slot_alerts_fire_on_growth_and_on_unreserved_or_lost(tmp_path: Path) -> None:
-    tests = tmp_path / "wal_tests.yml"
-    tests.write_text(WAL_TESTS.format(rules=json.dumps(str(ALERTS))))
-    proc = subprocess.run(
-        ["promtool", "test", "rules", str(tests)], capture_output=True, text=True, check=False
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    promtool_test(tmp_path, WAL_TESTS)
