@@ -175,10 +175,10 @@ def _vacuum_line(report: LagReport) -> str:
     return f"vacuum: outbox {dead} dead rows; oldest snapshot: {held}"
 
 
-def _wal_line(wal: WalLag) -> Text:
+def _wal_line(wal: WalLag, label: str = "wal slot") -> Text:
     """The WAL source's slot on one line, red when it is missing, unreserved or lost."""
     if not wal.exists:
-        return Text(f"wal slot {wal.slot}: MISSING (`outbox wal setup`)", style="bold red")
+        return Text(f"{label} {wal.slot}: MISSING (`outbox wal setup`)", style="bold red")
     lag = _age(wal.lag_seconds) if wal.lag_seconds is not None else f"? ({wal.lag_unknown})"
     bound = (
         "unbounded (max_slot_wal_keep_size -1)"
@@ -186,7 +186,7 @@ def _wal_line(wal: WalLag) -> Text:
         else f"{mib(wal.safe_wal_size)} more before invalidation"
     )
     text = (
-        f"wal slot {wal.slot}: {wal.wal_status}, lag {lag}, retains {mib(wal.retained_bytes)} "
+        f"{label} {wal.slot}: {wal.wal_status}, lag {lag}, retains {mib(wal.retained_bytes)} "
         f"({mib(wal.unconfirmed_bytes)} unconfirmed, confirmed to {wal.confirmed_flush_lsn}); "
         f"{bound}"
     )
@@ -409,6 +409,7 @@ def status(
             "totals": totals,
             "groups": groups,
             "vacuum": report.to_dict()["vacuum"],
+            "wal": report.to_dict()["wal"],
             "problems": problems,
             "exit_code": code,
         }
@@ -425,6 +426,8 @@ def status(
         f"{_vacuum_line(report).replace('vacuum: ', 'vacuum   ', 1)}",
         highlight=False,
     )
+    if report.wal is not None:
+        out.print(_wal_line(report.wal, label="wal      slot"), highlight=False)
     for g in report.groups:
         out.print(
             f"consumer {g.group}: lag {'unknown' if g.total_lag is None else g.total_lag}, "
