@@ -170,7 +170,8 @@ def setup_sql(
         "-- or a role with REPLICATION and CREATE on the database: psql -f this-file.",
         "-- The publication first: pgoutput must find it for all WAL the slot decodes.",
         f"DO $$ BEGIN CREATE PUBLICATION {_ident(wal.publication)}; "
-        "EXCEPTION WHEN duplicate_object THEN RAISE NOTICE 'publication % exists', "
+        "EXCEPTION WHEN duplicate_object OR unique_violation THEN "
+        "RAISE NOTICE 'publication % exists', "
         f"{_literal(wal.publication)}; END $$;",
         "-- Waits for the transactions open now to end (the slot's consistent point).",
         f"SELECT pg_create_logical_replication_slot({_literal(wal.slot)}, '{PLUGIN}') "
@@ -247,7 +248,9 @@ def _create(
     try:
         return conn.execute(statement, params)
     except DBAPIError as exc:
-        if isinstance(exc.orig, psycopg.errors.DuplicateObject):
+        # A concurrent CREATE of the same name that commits first: duplicate_object, or the
+        # catalog's unique index when both passed the existence check at once.
+        if isinstance(exc.orig, psycopg.errors.DuplicateObject | psycopg.errors.UniqueViolation):
             return None
         if isinstance(exc.orig, psycopg.errors.InsufficientPrivilege):
             raise _refused(exc, denied, admin) from exc

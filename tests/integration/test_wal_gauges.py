@@ -1,9 +1,11 @@
-"""The relay's slot gauges from a real slot: they move when WAL is written and nobody
-confirms it, and fall back when the slot is advanced (what the WAL relay does)."""
+"""The WAL source's slot on the real server: the relay's gauges move when WAL is written
+and nobody confirms it, and fall back when the slot is advanced (what the WAL relay does);
+concurrent set-ups (several deploy jobs at once) all succeed."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import psycopg
 import pytest
@@ -57,3 +59,13 @@ def test_slot_gauges_move_with_unconfirmed_wal(ws: OutboxSettings) -> None:
         conn.execute("SELECT pg_replication_slot_advance(%s, pg_current_wal_lsn())", (ws.wal.slot,))
     advanced = sample(ws, metrics)
     assert advanced["lag_seconds"] == 0
+
+
+def test_concurrent_setups_create_each_object_once_and_all_succeed(
+    base_settings: OutboxSettings,
+) -> None:
+    for _ in range(5):  # the race (both past the existence check) is hit in some rounds
+        with wal_names(base_settings) as s, ThreadPoolExecutor(4) as pool:
+            results = list(pool.map(lambda _: ensure(s), range(4)))
+            assert sum(r.publication_created for r in results) == 1
+            assert sum(r.slot_created for r in results) == 1
