@@ -9,6 +9,7 @@ from __future__ import annotations
 import struct
 from dataclasses import replace
 from datetime import UTC, datetime
+from pathlib import Path
 
 import pytest
 
@@ -159,3 +160,9 @@ def test_commit_time_reads_pgoutputs_begin_message() -> None:
     assert commit_time(begin) == when
     assert commit_time(b"M" + begin[1:]) is None
     assert commit_time(begin[:-1]) is None
+
+
+def test_the_operations_page_shows_the_admin_sql_as_printed() -> None:
+    page = Path(__file__).resolve().parents[2] / "docs" / "operations" / "wal-slot.md"
+    printed = setup_sql(OutboxSettings(), "app", "billing_relay")
+    assert f"$ outbox wal setup --print-sql --role billing_relay\n{printed}```" in page.read_text()
