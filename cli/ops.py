@@ -185,10 +185,15 @@ def _wal_line(wal: WalLag, label: str = "wal slot") -> Text:
         if wal.max_slot_wal_keep_size is not None and wal.max_slot_wal_keep_size < 0
         else f"{mib(wal.safe_wal_size)} more before invalidation"
     )
+    reader = (
+        f"read by pid {', '.join(map(str, wal.reading_pids))}"
+        if wal.reading_pids
+        else "read by no relay"
+    )
     text = (
         f"{label} {wal.slot}: {wal.wal_status}, lag {lag}, retains {mib(wal.retained_bytes)} "
         f"({mib(wal.unconfirmed_bytes)} unconfirmed, confirmed to {wal.confirmed_flush_lsn}); "
-        f"{bound}"
+        f"{bound}; {reader}, {len(wal.standby_pids)} standing by"
     )
     return Text(text, style="bold red" if wal.wal_status in ("unreserved", "lost") else "")
 

@@ -13,7 +13,7 @@ heartbeats and lane coverage; clock skew between this host and the database; wha
 database URL goes through (PostgreSQL itself, or a pooler in session or transaction mode)
 and which components may use it; in WAL mode (or when its slot exists) the WAL source:
 ``wal_level``, the slot and its ``wal_status``, how much more WAL it may hold back, the
-publication (outbox/ops/wal_health.py).
+publication, whether a relay reads it (outbox/ops/wal_health.py).
 """
 
 from __future__ import annotations
@@ -457,6 +457,8 @@ class _Doctor:
             self.add("bloat", "ok", "dead tuple ratios are fine")
 
     async def relays(self, conn: AsyncConnection, pending: int) -> None:
+        if self.settings.source == "wal" and not pending:
+            return  # WAL relays are not lane owners: check wal_reader says whether one reads
         stale_after = self.options.stale_relay_seconds or default_stale_after(self.settings)
         owned: set[int] = set()
         live = 0

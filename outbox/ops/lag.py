@@ -29,7 +29,8 @@ What each figure means, and where it comes from:
   WAL past its confirmed position (current LSN - ``confirmed_flush_lsn``), ``wal_status``,
   ``safe_wal_size``, and ``lag_seconds``: the age, by the database clock, of the oldest
   committed transaction the slot has not confirmed, read from a temporary copy of the slot
-  (outbox/ops/wal_slot.py; needs REPLICATION, else ``lag_unknown`` says why).
+  (outbox/ops/wal_slot.py; needs REPLICATION, else ``lag_unknown`` says why); the WAL
+  relays connected to the database, the one reading (``reading_pids``) and those standing by.
 """
 
 from __future__ import annotations
@@ -125,6 +126,8 @@ class WalLag:
     confirmed_flush_lsn: str | None = None
     lag_seconds: float | None = None
     lag_unknown: str | None = None  # why lag_seconds is None
+    reading_pids: list[int] = field(default_factory=list)  # the WAL relay reading the slot
+    standby_pids: list[int] = field(default_factory=list)  # WAL relays standing by
 
     @classmethod
     def of(cls, state: WalState, settings: OutboxSettings) -> WalLag:
@@ -146,6 +149,8 @@ class WalLag:
             confirmed_flush_lsn=slot.confirmed_flush_lsn,
             lag_seconds=lag.seconds,
             lag_unknown=lag.reason,
+            reading_pids=list(state.reading_pids),
+            standby_pids=list(state.standby_pids),
         )
 
 

@@ -177,6 +177,19 @@ WAL_SLOT = """
 """
 WAL_SLOT_QUERY = text(WAL_SLOT.replace("%(slot)s", ":slot"))
 
+# The WAL relays connected to this database (by their application name): the one reading
+# the slot holds its reader lock (an advisory lock), the others stand by for it.
+WAL_READERS = text(
+    """
+    SELECT a.pid,
+           EXISTS (SELECT 1 FROM pg_locks l WHERE l.pid = a.pid AND l.locktype = 'advisory'
+                   AND l.granted) AS reading
+    FROM pg_stat_activity a
+    WHERE a.datname = current_database() AND a.application_name = :application
+    ORDER BY a.pid
+    """
+)
+
 WAL_PUBLICATION = text("SELECT count(*) > 0 FROM pg_publication WHERE pubname = :name")
 
 # Waits until every transaction that holds an xid now has ended (the slot's consistent

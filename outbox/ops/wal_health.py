@@ -81,6 +81,8 @@ def findings(state: WalState, settings: OutboxSettings) -> list[Finding]:
         )
     else:
         _slot_findings(add, slot, state, settings)
+    if wal_mode and slot is not None:
+        _reader(add, state)
     if not state.publication_exists:
         add(
             "wal_publication",
@@ -162,6 +164,33 @@ def _slot_findings(add: _Add, slot: SlotState, state: WalState, settings: Outbox
             **details,
         )
     _retention(add, slot, server.max_slot_wal_keep_size)
+
+
+def _reader(add: _Add, state: WalState) -> None:
+    """Whether a WAL relay reads the slot (the one holding the reader lock) and how many
+    stand by to take over."""
+    reading, standby = state.reading_pids, state.standby_pids
+    details = {"reading_pids": list(reading), "standby_pids": list(standby)}
+    if not reading:
+        # A warning like the table source's "no live relay" with nothing pending: whether
+        # events wait is `outbox lag`'s figure (and the slot alerts'), not known here.
+        add(
+            "wal_reader",
+            "warn",
+            f"no relay reads the slot ({len(standby)} connected, none holds the reader lock): "
+            "events committed meanwhile wait in the WAL, and the slot holds more of it",
+            "start `outbox relay` with OUTBOX_SOURCE=wal; if relays run, their logs say why "
+            "none reads",
+            **details,
+        )
+        return
+    add(
+        "wal_reader",
+        "ok",
+        f"relay pid {', '.join(map(str, reading))} reads the slot; {len(standby)} standing by",
+        None,
+        **details,
+    )
 
 
 def _retention(add: _Add, slot: SlotState, limit: int) -> None:

@@ -47,6 +47,7 @@ from outbox.ops.store import (
     WAL_PROBE_DROP,
     WAL_PROBE_PEEK,
     WAL_PUBLICATION,
+    WAL_READERS,
     WAL_SETTINGS,
     WAL_SLOT_QUERY,
 )
@@ -54,6 +55,9 @@ from outbox.settings import OutboxSettings
 
 _PREPARER = postgresql.dialect().identifier_preparer  # type: ignore[no-untyped-call]
 PLUGIN = "pgoutput"
+# application_name of the WAL relay's reading connection (relay/wal_source.py): how doctor
+# and lag find the relays of a slot.
+READER_APPLICATION = "outbox-relay-wal"
 
 
 def _literal(value: str) -> str:
@@ -114,6 +118,8 @@ class WalState:
     server: ServerWal
     slot: SlotState | None
     publication_exists: bool
+    reading_pids: tuple[int, ...] = ()  # WAL relays holding the reader lock (one, normally)
+    standby_pids: tuple[int, ...] = ()  # WAL relays waiting to take over
 
 
 @dataclass(frozen=True)
@@ -142,10 +148,13 @@ def read_slot(conn: Connection, slot: str) -> SlotState | None:
 
 
 def read_state(conn: Connection, settings: OutboxSettings) -> WalState:
+    relays = conn.execute(WAL_READERS, {"application": READER_APPLICATION}).all()
     return WalState(
         server=read_server(conn),
         slot=read_slot(conn, settings.wal.slot),
         publication_exists=_publication_exists(conn, settings.wal.publication),
+        reading_pids=tuple(int(pid) for pid, reading in relays if reading),
+        standby_pids=tuple(int(pid) for pid, reading in relays if not reading),
     )
 
 

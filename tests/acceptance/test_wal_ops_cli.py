@@ -14,6 +14,7 @@ import pytest
 from pydantic import SecretStr
 from sqlalchemy.engine import make_url
 
+from outbox.ops.wal_slot import READER_APPLICATION as READER
 from outbox.settings import OutboxSettings
 from tests.acceptance.conftest import Cli, SchemaFactory
 from tests.acceptance.test_wal_setup_cli import wal_cli
@@ -68,6 +69,21 @@ def test_doctor_reports_a_missing_slot_and_publication_then_a_set_up_one(
     assert ready["wal_slot"]["level"] == "ok"
     assert ready["wal_slot"]["details"]["wal_status"] == "reserved"
     assert ready["wal_publication"]["level"] == "ok"
+    assert ready["wal_reader"]["level"] == "warn"  # no relay runs
+    # A reading relay (its application name, its reader lock) and one standing by.
+    with (
+        psycopg.connect(ws.libpq_dsn, autocommit=True, application_name=READER) as reader,
+        psycopg.connect(ws.libpq_dsn, autocommit=True, application_name=READER) as standby,
+    ):
+        reader.execute("SELECT pg_advisory_lock(1, 2)")
+        read = wal_findings(cli.json("doctor", "--no-kafka"))["wal_reader"]
+        assert read["level"] == "ok"
+        assert read["details"] == {
+            "reading_pids": [reader.info.backend_pid],
+            "standby_pids": [standby.info.backend_pid],
+        }
+        lag = cli.json("lag", "--no-kafka")["wal"]
+        assert lag["reading_pids"] == [reader.info.backend_pid]
     with psycopg.connect(ws.libpq_dsn) as conn:
         row = conn.execute("SHOW max_slot_wal_keep_size").fetchone()
     assert row is not None

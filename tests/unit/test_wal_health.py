@@ -166,3 +166,12 @@ def test_the_operations_page_shows_the_admin_sql_as_printed() -> None:
     page = Path(__file__).resolve().parents[2] / "docs" / "operations" / "wal-slot.md"
     printed = setup_sql(OutboxSettings(), "app", "billing_relay")
     assert f"$ outbox wal setup --print-sql --role billing_relay\n{printed}```" in page.read_text()
+
+
+def test_doctor_says_whether_a_relay_reads_the_slot() -> None:
+    nobody = by_check(replace(state(), standby_pids=(41,)))["wal_reader"]
+    assert nobody[0] == "warn" and "no relay reads the slot (1 connected" in nobody[1]
+    reading = by_check(replace(state(), reading_pids=(40,), standby_pids=(41, 42)))
+    assert reading["wal_reader"][:2] == ("ok", "relay pid 40 reads the slot; 2 standing by")
+    assert "wal_reader" not in by_check(state(), OutboxSettings(source="table"))
+    assert "wal_reader" not in by_check(state(slot=None))  # the missing slot is the error
