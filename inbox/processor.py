@@ -569,7 +569,8 @@ class PartitionProcessor:
             with tracing.batch(kept, self.consumer):
                 await handler.call_batch(kept, args, session, contexts)
         except Exception as exc:
-            pinned = _pinned(exc, kept, args, contexts)
+            # A list of one is that event's failure, named or not.
+            pinned = 0 if len(kept) == 1 else _pinned(exc, kept, args, contexts)
             if pinned is not None:
                 blame.index = events.index(kept[pinned])
             raise
