@@ -1,6 +1,7 @@
 """Inbox consumer throughput, latency and CPU cost.
 
-    python -m bench.consumer [--events 40000] [--partitions 8] [--latency-seconds 15]
+    python -m bench.consumer [--events 40000] [--batch-events 100000] [--partitions 8]
+                             [--latency-seconds 15]
                              [--parts throughput,latency,e2e] [--linger-ms N]
                              [--profile DIR]
 
@@ -12,6 +13,10 @@
      run's flush;
    * ``execute``: the handler runs one ``INSERT`` statement itself (one round trip per
      event, the handler's own cost);
+   * ``batch``: a batch handler (``@app.handler(..., batch=True)``) parses the same
+     pydantic model per event and writes the whole list in one multi-row ``INSERT ...
+     SELECT FROM unnest(...)``, printed beside ``orm`` with the ratio (``--batch-events``
+     of them: it drains fast, and a run shorter than a couple of seconds says little);
 
    in batch mode (one transaction per partition batch) and, for comparison, in
    one-transaction-per-event mode (on a smaller slice, it is much slower).
@@ -164,6 +169,18 @@ def make_app(
         async def add_row(event: OrderCreated, session: AsyncSession) -> None:
             session.add(BenchOrder(order_id=event.order_id, total_cents=event.total_cents))
 
+    elif handler == "batch":
+        rows = text(
+            f"INSERT INTO {TABLE} (order_id, total_cents) "
+            "SELECT * FROM unnest(CAST(:o AS text[]), CAST(:t AS int[]))"
+        )
+
+        @app.handler("order.created", batch=True)
+        async def insert_list(orders: list[OrderCreated], session: AsyncSession) -> None:
+            await session.execute(
+                rows, {"o": [o.order_id for o in orders], "t": [o.total_cents for o in orders]}
+            )
+
     else:
         insert = text(f"INSERT INTO {TABLE} (order_id, total_cents) VALUES (:o, :t)")
 
@@ -211,6 +228,12 @@ STAGES: list[Stage] = [
             "AsyncSession.flush AsyncSession.commit AsyncSessionTransaction.__aexit__ _commit",
         ),
         ("handler: payload model, ORM object, session.add", "Handler.__call__"),
+        ("batch handler: its one multi-row INSERT", "Handler.call_batch"),
+        ("batch handler: payload models of the list", "Handler.parse"),
+        (
+            "batch handler: the list (stale checks, metrics, tracing)",
+            "PartitionProcessor._run_batch",
+        ),
         (
             "session and connection set-up",
             "AsyncSession.__init__ AsyncSession.connection async_sessionmaker.__call__ "
@@ -555,6 +578,7 @@ async def main(args: argparse.Namespace) -> None:
     consumer = {"linger_ms": args.linger_ms} if args.linger_ms is not None else {}
     settings = settings.model_copy(update={"consumer": ConsumerSettings(**consumer)})
     results: dict[str, float] = {}
+    cpu_us: dict[str, float] = {}
     try:
         print(
             f"consumer bench: {args.partitions} partitions, payload ~300 B, "
@@ -565,6 +589,8 @@ async def main(args: argparse.Namespace) -> None:
             ("batch", "execute", args.events),
             ("event", "orm", args.events_per_event_mode),
         ]
+        if args.batch_events:
+            runs.insert(1, ("batch", "batch", args.batch_events))
         for mode, handler, n in runs if "throughput" in args.parts else []:
             s = settings.model_copy(
                 update={"consumer": settings.consumer.model_copy(update={"transaction_per": mode})}
@@ -573,6 +599,7 @@ async def main(args: argparse.Namespace) -> None:
             await produce_all(s, topic, n)
             elapsed, counted, cpu, per_txn = await drain(s, topic, n, handler)
             results[f"{mode}/{handler}"] = counted / elapsed
+            cpu_us[f"{mode}/{handler}"] = cpu / counted * 1e6
             print(
                 f"throughput, one transaction per {mode:5}, handler {handler:7}: "
                 f"{counted / elapsed:9,.0f} events/s ({counted:,} events in {elapsed:.2f} s, "
@@ -582,6 +609,12 @@ async def main(args: argparse.Namespace) -> None:
             print(
                 "batch / per-event ratio (orm handler): "
                 f"{results['batch/orm'] / results['event/orm']:.1f}x"
+            )
+        if "batch/batch" in results:
+            print(
+                "batch handler / per-event orm handler (both one transaction per batch): "
+                f"{results['batch/batch'] / results['batch/orm']:.1f}x events/s, "
+                f"{cpu_us['batch/orm'] / cpu_us['batch/batch']:.1f}x less CPU per event"
             )
         if "latency" in args.parts:
             lat, cpu_us, per_txn = await latency(
@@ -618,6 +651,13 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--events", type=int, default=40_000)
     parser.add_argument("--events-per-event-mode", type=int, default=5_000)
+    parser.add_argument(
+        "--batch-events",
+        type=int,
+        default=100_000,
+        help="events of the batch-handler throughput run (0: skip it; code without batch "
+        "handlers cannot run it)",
+    )
     parser.add_argument("--partitions", type=int, default=8)
     parser.add_argument("--latency-seconds", type=float, default=15)
     parser.add_argument("--rate", type=int, default=1_000)
