@@ -578,7 +578,7 @@ async def main(args: argparse.Namespace) -> None:
     consumer = {"linger_ms": args.linger_ms} if args.linger_ms is not None else {}
     settings = settings.model_copy(update={"consumer": ConsumerSettings(**consumer)})
     results: dict[str, float] = {}
-    cpu_us: dict[str, float] = {}
+    cpu_per_event: dict[str, float] = {}
     try:
         print(
             f"consumer bench: {args.partitions} partitions, payload ~300 B, "
@@ -599,7 +599,7 @@ async def main(args: argparse.Namespace) -> None:
             await produce_all(s, topic, n)
             elapsed, counted, cpu, per_txn = await drain(s, topic, n, handler)
             results[f"{mode}/{handler}"] = counted / elapsed
-            cpu_us[f"{mode}/{handler}"] = cpu / counted * 1e6
+            cpu_per_event[f"{mode}/{handler}"] = cpu / counted * 1e6
             print(
                 f"throughput, one transaction per {mode:5}, handler {handler:7}: "
                 f"{counted / elapsed:9,.0f} events/s ({counted:,} events in {elapsed:.2f} s, "
@@ -614,7 +614,7 @@ async def main(args: argparse.Namespace) -> None:
             print(
                 "batch handler / per-event orm handler (both one transaction per batch): "
                 f"{results['batch/batch'] / results['batch/orm']:.1f}x events/s, "
-                f"{cpu_us['batch/orm'] / cpu_us['batch/batch']:.1f}x less CPU per event"
+                f"{cpu_per_event['batch/orm'] / cpu_per_event['batch/batch']:.1f}x less CPU per event"
             )
         if "latency" in args.parts:
             lat, cpu_us, per_txn = await latency(

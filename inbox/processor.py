@@ -69,6 +69,18 @@ partition whose handler raised resumes from that failure as after a failed run o
 failure no handler raised (a write refused at the final flush, the commit) cannot be
 pinned on a partition: each runs its next run alone, where the savepoint per event finds
 it (sharing again would fail again, forever).
+
+Batch handlers (``@app.handler(..., batch=True)``): a transaction calls one with each run
+of consecutive new events it takes (:func:`_groups`: across the members, in offset order
+per partition, up to its ``max_batch``). A failed call cannot be pinned on one event unless
+the failure says which (a stale check or a payload that failed for one event, a
+``Permanent``/``Retryable`` raised with ``event=``, a list of one): then that event is
+the failing handler above, first attempt counted. Otherwise the failure is like one at the
+final flush: the partition runs again with a savepoint per call (:meth:`_savepointed`),
+where a failing call is split in halves, each under its own savepoint, down to the first
+failing event (:meth:`_split`); the events before it commit, and it goes on alone. The
+calls of the split are not attempts of the events in them: an event is charged from the
+run where it failed alone.
 """
 
 from __future__ import annotations
@@ -710,7 +722,8 @@ class PartitionProcessor:
         under its own savepoint, down to the first failing event alone: everything before
         that event is handled (its savepoints released), nothing after it is tried, so the
         partition's order holds. A failure the handler pins on one event
-        (``Permanent(..., event=item)``) is taken at its word, without a split."""
+        (``Permanent(..., event=item)``) is taken at its word, without a split; a conflict
+        (serialization failure, deadlock) is no event's fault and is not split either."""
         unique: dict[str, InboxEvent] = {}
         for event in group:
             unique.setdefault(event.event_id, event)
@@ -727,6 +740,10 @@ class PartitionProcessor:
             if is_outage(exc):
                 raise unavailable(exc) from exc  # the whole transaction rolls back
             await savepoint.rollback()
+            if is_conflict(exc):
+                # The database asks for the transaction again; no event is at fault. The
+                # first one runs again alone (uncharged), the rest in lists after it.
+                return _Split(0, 0, (0, exc))
             if blame.index is not None:
                 culprit = group.index(new[blame.index])
                 before = (
