@@ -614,7 +614,8 @@ async def main(args: argparse.Namespace) -> None:
             print(
                 "batch handler / per-event orm handler (both one transaction per batch): "
                 f"{results['batch/batch'] / results['batch/orm']:.1f}x events/s, "
-                f"{cpu_per_event['batch/orm'] / cpu_per_event['batch/batch']:.1f}x less CPU per event"
+                f"{cpu_per_event['batch/orm'] / cpu_per_event['batch/batch']:.1f}x less CPU "
+                "per event"
             )
         if "latency" in args.parts:
             lat, cpu_us, per_txn = await latency(
