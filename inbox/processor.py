@@ -564,15 +564,25 @@ class PartitionProcessor:
         stale ones left out) in ``session``'s transaction. When it raises, ``blame`` says
         which event failed if that is known: its stale check or its parsing failed, or
         the handler named it (``Permanent(..., event=item)``)."""
-        kept: list[InboxEvent] = []
+        kept: Sequence[InboxEvent] = events
         args: list[object] = []
-        for k, event in enumerate(events):
-            blame.index = k
-            if handler.stale is not None and await self._stale(event, raw or session):
-                continue
-            args.append(handler.parse(event))
-            kept.append(event)
-        blame.index = None
+        parse = handler.parse
+        if handler.stale is None:
+            try:
+                for event in events:
+                    args.append(parse(event))
+            except Exception:
+                blame.index = len(args)  # the event whose payload failed to parse
+                raise
+        else:
+            kept = []
+            for k, event in enumerate(events):
+                blame.index = k
+                if await self._stale(event, raw or session):
+                    continue
+                args.append(parse(event))
+                kept.append(event)
+            blame.index = None
         if not kept:
             return
         contexts = [EventContext.of(e, 1) for e in kept] if handler.wants_context else None
@@ -1055,22 +1065,22 @@ def _groups(
     """The calls a transaction makes, in order: each new event of a per-event handler
     alone; consecutive new events of one batch handler together (across members: the
     list stays in offset order per partition), up to its ``max_batch``."""
+    # Runs once per event of every transaction: kept to lookups and one append.
     group: list[Placed] = []
     current: Handler | None = None
+    limit = 0
     for m, (p, run) in enumerate(members):
+        route = p._route
         for i, event in enumerate(run):
-            if event.event_id not in fresh or unique[event.event_id] is not event:
+            event_id = event.event_id
+            if event_id not in fresh or unique[event_id] is not event:
                 continue
-            handler = p._handler(event)
-            assert handler is not None  # runs with events needing a policy are not fast
-            if current is not None and (
-                handler is not current
-                or not handler.batch
-                or len(group) >= handler.batch_limit(max_batch)
-            ):
-                yield current, group
-                group = []
-            current = handler
+            handler = route(event.event_type)
+            if handler is not current or len(group) >= limit:
+                assert handler is not None  # runs with events needing a policy are not fast
+                if current is not None:
+                    yield current, group
+                group, current, limit = [], handler, handler.batch_limit(max_batch)
             group.append((m, i, p, event))
     if current is not None:
         yield current, group

@@ -120,10 +120,10 @@ def _event(n: int, event_type: str = "order.created", partition: int = 0) -> Inb
 
 
 class _Routed:
-    """What ``_groups`` asks of a processor: the handler of an event."""
+    """What ``_groups`` asks of a processor: its routing (event type -> handler)."""
 
     def __init__(self, a: inbox.Consumer) -> None:
-        self._handler = lambda event: a.handlers[event.event_type]
+        self._route = a.handlers.get
 
 
 def test_groups_join_consecutive_events_of_a_batch_handler_across_partitions() -> None:
