@@ -233,7 +233,8 @@ class ConsumerSettings(_Section):
         le=100_000,
         description="Most events in one call of a batch handler (`@app.handler(..., "
         "batch=True)`), unless it sets its own `max_batch`. A call never spans more than one "
-        "transaction, so max_batch_records bounds it too for one partition.",
+        "transaction, so max_batch_records bounds it too for one partition (and "
+        "transaction_per=event makes every list one event).",
     )
     max_fetched_bytes: int = Field(
         16 * 1024 * 1024,

@@ -98,6 +98,42 @@ async def test_one_poison_among_500_is_dead_lettered_alone_and_499_apply_once(
     assert "ev-k-250" not in effect_counts(engine, table)
 
 
+async def test_an_event_killing_the_process_in_a_list_is_dead_lettered_after_its_attempts(
+    settings: OutboxSettings,
+    engine: Engine,
+    new_topic: NewTopic,
+    kafka_bootstrap: str,
+    tmp_path: Path,
+) -> None:
+    topic = await new_topic()
+    table = effects_table(engine)
+    await produce(kafka_bootstrap, topic, [rec("k", n, crash=(n == 100)) for n in range(300)])
+    runs = tmp_path / "runs"
+    env = _env(settings, topic, table, INBOX_TEST_RUNS_FILE=str(runs))
+    exits = []
+    for _ in range(6):  # restarted after each crash, as a supervisor would
+        proc = outbox_cli(["consume", TARGET], env)
+        await wait_for(
+            lambda proc=proc: proc.poll() is not None or applied(engine, table) >= 299,
+            timeout=120,
+            what="a crash or 299 effects",
+        )
+        if proc.poll() is not None:
+            exits.append(proc.returncode)
+            continue
+        [dead] = await read_all(kafka_bootstrap, topic + ".dlq", expect=1)
+        _stop(proc)
+        break
+    # A list died with it, then it alone (the run's events are handled one by one after a
+    # crash), until its 3 attempts were used: the process died 3 times, never again.
+    assert exits == [3, 3, 3]
+    sizes = [int(n) for n in runs.read_text().split()]
+    assert len(sizes) == 3 and sizes[0] > 1 and sizes[1:] == [1, 1]
+    assert dead.headers["dlq_error_class"] == b"ProcessCrashed"
+    assert dead.headers["dlq_attempts"] == b"3"
+    assert effect_verdict(effect_rows(engine, table), 300) == (1, 0, 0)
+
+
 async def test_killed_mid_batch_loses_nothing_and_doubles_nothing(
     settings: OutboxSettings, engine: Engine, new_topic: NewTopic, kafka_bootstrap: str
 ) -> None:

@@ -6,7 +6,7 @@ to a per-event handler on the same topic, writing into the same table. Configure
 INBOX_TEST_* environment variables (the library never reads them).
 """
 
-# ruff: noqa: ASYNC230  (a small line per call, appended before the commit)
+# ruff: noqa: ASYNC230  (a small line per call, appended before the commit or the crash)
 
 from __future__ import annotations
 
@@ -27,6 +27,8 @@ MAX_ATTEMPTS = int(os.environ.get("INBOX_TEST_MAX_ATTEMPTS", "3"))
 LISTS_FILE = os.environ.get("INBOX_TEST_LISTS_FILE")
 # Seconds each call takes before its INSERT, so that a SIGKILL lands inside calls.
 CALL_SECONDS = float(os.environ.get("INBOX_TEST_CALL_SECONDS", "0"))
+# A list holding an event marked "crash" kills the process (a line here per such call).
+RUNS_FILE = os.environ.get("INBOX_TEST_RUNS_FILE")
 
 app = inbox.Consumer(name=NAME, topics=[TOPIC])
 
@@ -42,6 +44,11 @@ async def project(events: list[inbox.InboxEvent], session: AsyncSession) -> None
     if LISTS_FILE:
         with open(LISTS_FILE, "a") as f:
             f.write(json.dumps([e.event_id for e in events]) + "\n")
+    if any(body.get("crash") for body in bodies):
+        if RUNS_FILE:
+            with open(RUNS_FILE, "a") as f:
+                f.write(f"{len(events)}\n")
+        os._exit(3)  # the process dies inside the call: no exception to catch
     if any(body.get("poison") for body in bodies):
         raise RuntimeError("a poison event is in the list")
     if CALL_SECONDS:
