@@ -310,7 +310,18 @@ class Consumer:
         ``batch=True`` makes it a batch handler (see the module docstring): its first
         parameter is ``list[Model]`` or ``list[InboxEvent]``, and it gets up to
         ``max_batch`` events per call (default: ``OUTBOX_CONSUMER__HANDLER_MAX_BATCH``).
-        Attempts, dead letters and ``stale`` still apply to each event on its own.
+        Attempts, dead letters and ``stale`` still apply to each event on its own::
+
+            @app.handler("order.placed", batch=True, max_batch=1000)
+            async def project(orders: list[OrderPlaced], session: AsyncSession) -> None:
+                for order in orders:
+                    if order.total_cents < 0:
+                        raise Permanent("negative total", event=order)  # only this one
+                await session.execute(upsert, [o.model_dump() for o in orders])
+
+        A declaration that does not fit (no list first with ``batch=True``, a list without
+        it, ``max_batch`` below 1 or without ``batch=True``) raises
+        :class:`~inbox.errors.HandlerConfigurationError` here, when the module is imported.
         """
         if max_batch is not None:
             if not batch:
