@@ -30,7 +30,8 @@
    latency = producer commit returned -> the handler's database commit returned.
 
 Every part prints the consumer's CPU (user + system of this process, which runs the
-consumer) per event and per database transaction, and how many events a transaction
+consumer) per event and per database transaction (throughput runs also the whole
+machine's: PostgreSQL and the broker share its CPUs), and how many events a transaction
 carried on average, counted from the inbox rows themselves (distinct ``xmin``), so the
 figures mean the same for any version of the consumer code. ``--profile DIR`` samples
 where that CPU goes (``bench/cpuprofile.py``) and prints the top entries; the profiler's
@@ -197,6 +198,25 @@ def cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+def machine_ticks() -> tuple[int, int] | None:
+    """(all, idle) CPU ticks of the whole machine so far (Linux ``/proc/stat``; None
+    elsewhere): over a window, how busy every process together kept the CPUs — the
+    consumer, PostgreSQL, the broker and whatever else runs."""
+    try:
+        with open("/proc/stat") as f:
+            ticks = [int(v) for v in f.readline().split()[1:]]
+    except OSError:
+        return None
+    return sum(ticks), ticks[3] + ticks[4]  # idle + iowait
+
+
+def machine_share(before: tuple[int, int] | None, after: tuple[int, int] | None) -> float | None:
+    """The share of the machine's CPUs busy between two :func:`machine_ticks`."""
+    if before is None or after is None or after[0] == before[0]:
+        return None
+    return 1 - (after[1] - before[1]) / (after[0] - before[0])
+
+
 # Where a consumer's CPU goes, old code and new alike (qualified names of either version).
 STAGES: list[Stage] = [
     (name, frozenset(funcs.split()))
@@ -307,9 +327,9 @@ def cpu_figures(cpu_us_per_event: float, per_transaction: float) -> str:
 
 async def drain(
     settings: OutboxSettings, topic: str, n: int, handler: str
-) -> tuple[float, int, float, float]:
+) -> tuple[float, int, float, float, float | None]:
     """(seconds, events counted, consumer CPU seconds) from the first processed event on,
-    and events per transaction."""
+    events per transaction, and the share of the machine's CPUs busy meanwhile."""
     app = make_app(f"bench-{uuid.uuid4().hex[:6]}", topic, handler)
     metrics = Metrics(app.name)
     daemon = ConsumerDaemon(app, settings, metrics)
@@ -317,23 +337,25 @@ async def drain(
     task = asyncio.create_task(daemon.run(stop))
     started: float | None = None
     cpu0, first = 0.0, 0
+    ticks0 = None
     profiled = Profiled(f"throughput-{settings.consumer.transaction_per}-{handler}")
     while metrics.counts["processed"] < n:
         if task.done():
             await task
         if started is None and metrics.counts["processed"] > 0:
-            started, cpu0 = time.perf_counter(), cpu_seconds()
+            started, cpu0, ticks0 = time.perf_counter(), cpu_seconds(), machine_ticks()
             first = metrics.counts["processed"]
             profiled.start()
         await asyncio.sleep(0.005)
     elapsed = time.perf_counter() - (started or time.perf_counter())
     cpu = cpu_seconds() - cpu0
+    busy = machine_share(ticks0, machine_ticks())
     profiled.stop()
     stop.set()
     await task
     per_txn = events_per_transaction(settings, app.name)
     profiled.report(n - first, per_txn)
-    return elapsed, n - first, cpu, per_txn
+    return elapsed, n - first, cpu, per_txn, busy
 
 
 def paced_producer(
@@ -597,7 +619,7 @@ async def main(args: argparse.Namespace) -> None:
             )
             topic = await create_topic(s, args.partitions, prefix="bench-inbox")
             await produce_all(s, topic, n)
-            elapsed, counted, cpu, per_txn = await drain(s, topic, n, handler)
+            elapsed, counted, cpu, per_txn, busy = await drain(s, topic, n, handler)
             results[f"{mode}/{handler}"] = counted / elapsed
             cpu_per_event[f"{mode}/{handler}"] = cpu / counted * 1e6
             print(
@@ -605,6 +627,14 @@ async def main(args: argparse.Namespace) -> None:
                 f"{counted / elapsed:9,.0f} events/s ({counted:,} events in {elapsed:.2f} s, "
                 f"{cpu_figures(cpu / counted * 1e6, per_txn)})"
             )
+            if busy is not None:
+                # The consumer's share is one part: PostgreSQL and the broker run here too.
+                cpus = os.cpu_count() or 1
+                print(
+                    f"  the whole machine meanwhile: {100 * busy:.0f}% of {cpus} CPUs busy, "
+                    f"{busy * cpus * elapsed / counted * 1e6:.0f} us CPU per event (all "
+                    "processes)"
+                )
         if results:
             print(
                 "batch / per-event ratio (orm handler): "
