@@ -2,6 +2,8 @@
 event among 500, SIGKILLs mid-batch, redelivered duplicates, and a per-event handler on the
 same topic. Each counts lost events, duplicate effects and out-of-order pairs per key."""
 
+# ruff: noqa: ASYNC221  (one short CLI call; blocking the test loop is harmless here)
+
 from __future__ import annotations
 
 import json
@@ -79,23 +81,39 @@ async def test_one_poison_among_500_is_dead_lettered_alone_and_499_apply_once(
     engine: Engine,
     new_topic: NewTopic,
     kafka_bootstrap: str,
+    tmp_path: Path,
 ) -> None:
     topic = await new_topic()
     table = effects_table(engine)
-    records = [rec("k", n, poison=(n == 250)) for n in range(500)]
+    run = uuid.uuid4().hex[:6]
+    poison = f"{run}-250"
+    records = [rec("k", n, event_id=f"{run}-{n}", poison=(n == 250)) for n in range(500)]
     await produce(kafka_bootstrap, topic, records)
-    proc = outbox_cli(["consume", TARGET], _env(settings, topic, table))
+    fixed = tmp_path / "fixed"
+    env = _env(settings, topic, table, INBOX_TEST_FIXED_FILE=str(fixed))
+    proc = outbox_cli(["consume", TARGET], env)
     try:
         await wait_for(lambda: applied(engine, table) >= 499, timeout=120, what="499 effects")
         [dead] = await read_all(kafka_bootstrap, topic + ".dlq", expect=1)
+        # Lost: the poison one only; no duplicate effect; the key's order held.
+        assert effect_verdict(effect_rows(engine, table), 500) == (1, 0, 0)
+        assert poison not in effect_counts(engine, table)
+        # The handler is fixed: the dead letter is replayed and reaches the list again.
+        fixed.touch()
+        replay = subprocess.run(
+            ["outbox", "dlq", "replay", poison, "--consumer", env["INBOX_TEST_CONSUMER"]],
+            env=env,
+            capture_output=True,
+        )
+        assert replay.returncode == 0, replay.stderr
+        await wait_for(lambda: applied(engine, table) >= 500, timeout=60, what="the replay")
     finally:
         _stop(proc)
     assert dead.headers["dlq_error_class"] == b"RuntimeError"
     assert dead.headers["dlq_attempts"] == b"3"
     assert json.loads(dead.value)["seq"] == 250
-    # Lost: the poison one only; no duplicate effect; the key's order held.
-    assert effect_verdict(effect_rows(engine, table), 500) == (1, 0, 0)
-    assert "ev-k-250" not in effect_counts(engine, table)
+    counts = effect_counts(engine, table)
+    assert len(counts) == 500 and set(counts.values()) == {1}
 
 
 async def test_an_event_killing_the_process_in_a_list_is_dead_lettered_after_its_attempts(
