@@ -1,5 +1,6 @@
 """A batch handler in `outbox consume` subprocesses on real Kafka and PostgreSQL: a poison
-event among 500, SIGKILLs mid-batch, redelivered duplicates, and a per-event handler on the
+event among 500 (dead-lettered alone, then replayed), an event that kills the process
+inside a list, SIGKILLs mid-batch, redelivered duplicates, and a per-event handler on the
 same topic. Each counts lost events, duplicate effects and out-of-order pairs per key."""
 
 # ruff: noqa: ASYNC221  (one short CLI call; blocking the test loop is harmless here)
