@@ -117,6 +117,36 @@ async def test_one_poison_among_500_is_dead_lettered_alone_and_499_apply_once(
     assert len(counts) == 500 and set(counts.values()) == {1}
 
 
+async def test_failures_on_several_partitions_dead_letter_only_their_events(
+    settings: OutboxSettings, engine: Engine, new_topic: NewTopic, kafka_bootstrap: str
+) -> None:
+    # Lists span partitions in shared transactions: a poison event (found by splitting)
+    # and one the handler names (Permanent(event=...)) on other partitions.
+    topic = await new_topic(partitions=4)
+    table = effects_table(engine)
+    run = uuid.uuid4().hex[:6]
+    records = [
+        rec(f"key-{n % 8}", n // 8, event_id=f"{run}-{n}", poison=(n == 333), bad=(n == 610))
+        for n in range(800)
+    ]
+    await produce(kafka_bootstrap, topic, records)
+    proc = outbox_cli(["consume", TARGET], _env(settings, topic, table))
+    try:
+        await wait_for(lambda: applied(engine, table) >= 798, timeout=120, what="798 effects")
+        dead = await read_all(kafka_bootstrap, topic + ".dlq", expect=2)
+    finally:
+        _stop(proc)
+    letters = {
+        json.loads(d.value)["seq"] * 8 + int(json.loads(d.value)["key"][4:]): (
+            d.headers["dlq_error_class"],
+            d.headers["dlq_attempts"],
+        )
+        for d in dead
+    }
+    assert letters == {333: (b"RuntimeError", b"3"), 610: (b"Permanent", b"1")}
+    assert effect_verdict(effect_rows(engine, table), 800) == (2, 0, 0)
+
+
 async def test_an_event_killing_the_process_in_a_list_is_dead_lettered_after_its_attempts(
     settings: OutboxSettings,
     engine: Engine,

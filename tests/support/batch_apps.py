@@ -55,6 +55,9 @@ async def project(events: list[inbox.InboxEvent], session: AsyncSession) -> None
     fixed = FIXED_FILE is not None and os.path.exists(FIXED_FILE)
     if not fixed and any(body.get("poison") for body in bodies):
         raise RuntimeError("a poison event is in the list")
+    for event, body in zip(events, bodies, strict=True):
+        if body.get("bad"):
+            raise inbox.Permanent("this event can never be projected", event=event)
     if CALL_SECONDS:
         await asyncio.sleep(CALL_SECONDS)
     await session.execute(
