@@ -1,6 +1,7 @@
 """Inbox consumer throughput, latency and CPU cost.
 
-    python -m bench.consumer [--events 40000] [--partitions 8] [--latency-seconds 15]
+    python -m bench.consumer [--events 40000] [--batch-events 100000] [--partitions 8]
+                             [--latency-seconds 15]
                              [--parts throughput,latency,e2e] [--linger-ms N]
                              [--profile DIR]
 
@@ -12,6 +13,10 @@
      run's flush;
    * ``execute``: the handler runs one ``INSERT`` statement itself (one round trip per
      event, the handler's own cost);
+   * ``batch``: a batch handler (``@app.handler(..., batch=True)``) parses the same
+     pydantic model per event and writes the whole list in one multi-row ``INSERT ...
+     SELECT FROM unnest(...)``, printed beside ``orm`` with the ratio (``--batch-events``
+     of them: it drains fast, and a run shorter than a couple of seconds says little);
 
    in batch mode (one transaction per partition batch) and, for comparison, in
    one-transaction-per-event mode (on a smaller slice, it is much slower).
@@ -25,7 +30,8 @@
    latency = producer commit returned -> the handler's database commit returned.
 
 Every part prints the consumer's CPU (user + system of this process, which runs the
-consumer) per event and per database transaction, and how many events a transaction
+consumer) per event and per database transaction (throughput runs also the whole
+machine's: PostgreSQL and the broker share its CPUs), and how many events a transaction
 carried on average, counted from the inbox rows themselves (distinct ``xmin``), so the
 figures mean the same for any version of the consumer code. ``--profile DIR`` samples
 where that CPU goes (``bench/cpuprofile.py``) and prints the top entries; the profiler's
@@ -164,6 +170,18 @@ def make_app(
         async def add_row(event: OrderCreated, session: AsyncSession) -> None:
             session.add(BenchOrder(order_id=event.order_id, total_cents=event.total_cents))
 
+    elif handler == "batch":
+        rows = text(
+            f"INSERT INTO {TABLE} (order_id, total_cents) "
+            "SELECT * FROM unnest(CAST(:o AS text[]), CAST(:t AS int[]))"
+        )
+
+        @app.handler("order.created", batch=True)
+        async def insert_list(orders: list[OrderCreated], session: AsyncSession) -> None:
+            await session.execute(
+                rows, {"o": [o.order_id for o in orders], "t": [o.total_cents for o in orders]}
+            )
+
     else:
         insert = text(f"INSERT INTO {TABLE} (order_id, total_cents) VALUES (:o, :t)")
 
@@ -178,6 +196,25 @@ def make_app(
 def cpu_seconds() -> float:
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return usage.ru_utime + usage.ru_stime
+
+
+def machine_ticks() -> tuple[int, int] | None:
+    """(all, idle) CPU ticks of the whole machine so far (Linux ``/proc/stat``; None
+    elsewhere): over a window, how busy every process together kept the CPUs — the
+    consumer, PostgreSQL, the broker and whatever else runs."""
+    try:
+        with open("/proc/stat") as f:
+            ticks = [int(v) for v in f.readline().split()[1:]]
+    except OSError:
+        return None
+    return sum(ticks), ticks[3] + ticks[4]  # idle + iowait
+
+
+def machine_share(before: tuple[int, int] | None, after: tuple[int, int] | None) -> float | None:
+    """The share of the machine's CPUs busy between two :func:`machine_ticks`."""
+    if before is None or after is None or after[0] == before[0]:
+        return None
+    return 1 - (after[1] - before[1]) / (after[0] - before[0])
 
 
 # Where a consumer's CPU goes, old code and new alike (qualified names of either version).
@@ -211,6 +248,12 @@ STAGES: list[Stage] = [
             "AsyncSession.flush AsyncSession.commit AsyncSessionTransaction.__aexit__ _commit",
         ),
         ("handler: payload model, ORM object, session.add", "Handler.__call__"),
+        ("batch handler: its one multi-row INSERT", "Handler.call_batch"),
+        ("batch handler: payload models of the list", "Handler.parse"),
+        (
+            "batch handler: the list (stale checks, metrics, tracing)",
+            "PartitionProcessor._run_batch",
+        ),
         (
             "session and connection set-up",
             "AsyncSession.__init__ AsyncSession.connection async_sessionmaker.__call__ "
@@ -284,9 +327,9 @@ def cpu_figures(cpu_us_per_event: float, per_transaction: float) -> str:
 
 async def drain(
     settings: OutboxSettings, topic: str, n: int, handler: str
-) -> tuple[float, int, float, float]:
+) -> tuple[float, int, float, float, float | None]:
     """(seconds, events counted, consumer CPU seconds) from the first processed event on,
-    and events per transaction."""
+    events per transaction, and the share of the machine's CPUs busy meanwhile."""
     app = make_app(f"bench-{uuid.uuid4().hex[:6]}", topic, handler)
     metrics = Metrics(app.name)
     daemon = ConsumerDaemon(app, settings, metrics)
@@ -294,23 +337,25 @@ async def drain(
     task = asyncio.create_task(daemon.run(stop))
     started: float | None = None
     cpu0, first = 0.0, 0
+    ticks0 = None
     profiled = Profiled(f"throughput-{settings.consumer.transaction_per}-{handler}")
     while metrics.counts["processed"] < n:
         if task.done():
             await task
         if started is None and metrics.counts["processed"] > 0:
-            started, cpu0 = time.perf_counter(), cpu_seconds()
+            started, cpu0, ticks0 = time.perf_counter(), cpu_seconds(), machine_ticks()
             first = metrics.counts["processed"]
             profiled.start()
         await asyncio.sleep(0.005)
     elapsed = time.perf_counter() - (started or time.perf_counter())
     cpu = cpu_seconds() - cpu0
+    busy = machine_share(ticks0, machine_ticks())
     profiled.stop()
     stop.set()
     await task
     per_txn = events_per_transaction(settings, app.name)
     profiled.report(n - first, per_txn)
-    return elapsed, n - first, cpu, per_txn
+    return elapsed, n - first, cpu, per_txn, busy
 
 
 def paced_producer(
@@ -555,6 +600,7 @@ async def main(args: argparse.Namespace) -> None:
     consumer = {"linger_ms": args.linger_ms} if args.linger_ms is not None else {}
     settings = settings.model_copy(update={"consumer": ConsumerSettings(**consumer)})
     results: dict[str, float] = {}
+    cpu_per_event: dict[str, float] = {}
     try:
         print(
             f"consumer bench: {args.partitions} partitions, payload ~300 B, "
@@ -565,23 +611,41 @@ async def main(args: argparse.Namespace) -> None:
             ("batch", "execute", args.events),
             ("event", "orm", args.events_per_event_mode),
         ]
+        if args.batch_events:
+            runs.insert(1, ("batch", "batch", args.batch_events))
         for mode, handler, n in runs if "throughput" in args.parts else []:
             s = settings.model_copy(
                 update={"consumer": settings.consumer.model_copy(update={"transaction_per": mode})}
             )
             topic = await create_topic(s, args.partitions, prefix="bench-inbox")
             await produce_all(s, topic, n)
-            elapsed, counted, cpu, per_txn = await drain(s, topic, n, handler)
+            elapsed, counted, cpu, per_txn, busy = await drain(s, topic, n, handler)
             results[f"{mode}/{handler}"] = counted / elapsed
+            cpu_per_event[f"{mode}/{handler}"] = cpu / counted * 1e6
             print(
                 f"throughput, one transaction per {mode:5}, handler {handler:7}: "
                 f"{counted / elapsed:9,.0f} events/s ({counted:,} events in {elapsed:.2f} s, "
                 f"{cpu_figures(cpu / counted * 1e6, per_txn)})"
             )
+            if busy is not None:
+                # The consumer's share is one part: PostgreSQL and the broker run here too.
+                cpus = os.cpu_count() or 1
+                print(
+                    f"  the whole machine meanwhile: {100 * busy:.0f}% of {cpus} CPUs busy, "
+                    f"{busy * cpus * elapsed / counted * 1e6:.0f} us CPU per event (all "
+                    "processes)"
+                )
         if results:
             print(
                 "batch / per-event ratio (orm handler): "
                 f"{results['batch/orm'] / results['event/orm']:.1f}x"
+            )
+        if "batch/batch" in results:
+            print(
+                "batch handler / per-event orm handler (both one transaction per batch): "
+                f"{results['batch/batch'] / results['batch/orm']:.1f}x events/s, "
+                f"{cpu_per_event['batch/orm'] / cpu_per_event['batch/batch']:.1f}x less CPU "
+                "per event"
             )
         if "latency" in args.parts:
             lat, cpu_us, per_txn = await latency(
@@ -618,6 +682,13 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--events", type=int, default=40_000)
     parser.add_argument("--events-per-event-mode", type=int, default=5_000)
+    parser.add_argument(
+        "--batch-events",
+        type=int,
+        default=100_000,
+        help="events of the batch-handler throughput run (0: skip it; code without batch "
+        "handlers cannot run it)",
+    )
     parser.add_argument("--partitions", type=int, default=8)
     parser.add_argument("--latency-seconds", type=float, default=15)
     parser.add_argument("--rate", type=int, default=1_000)

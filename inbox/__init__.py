@@ -10,6 +10,12 @@
     async def charge(event: OrderCreated, session: AsyncSession) -> None:
         session.add(Charge(order_id=event.order_id))
 
+A batch handler takes a list and does set-based work, one call per run of events::
+
+    @app.handler("order.created", batch=True)
+    async def project(orders: list[OrderCreated], session: AsyncSession) -> None:
+        await session.execute(insert(OrderRow), [o.model_dump() for o in orders])
+
 Run it with ``outbox consume mymodule:app``. Records of other producers (Debezium's outbox
 router, structured-mode CloudEvents, plain JSON topics) are read by envelopes:
 :mod:`inbox.envelopes`.

@@ -29,6 +29,20 @@ parameter annotated :class:`~inbox.context.EventContext` receives the event's me
 key, headers, partition, offset, attempt). ``async def`` handlers get an ``AsyncSession``;
 plain ``def`` handlers get a sync ``Session`` on the same connection and transaction (run
 through ``AsyncSession.run_sync``).
+
+A *batch handler* (``batch=True``) takes a list first and is called once for a run of
+consecutive events of its type in one transaction, for set-based work::
+
+    @app.handler("order.created", batch=True, max_batch=1000)
+    async def project(orders: list[OrderCreated], session: AsyncSession) -> None:
+        await session.execute(insert(OrderRow), [o.model_dump() for o in orders])
+
+The list is in offset order per partition and holds only new events (duplicates are
+claimed away before the call); a third parameter ``list[EventContext]`` gets each one's
+metadata, index for index. When the call raises, nothing of it commits and the list is
+split until the failing event is found; it alone is retried or dead-lettered. Raise
+``Permanent(..., event=item)`` to name the item at fault: it alone is dead-lettered, the
+others handled again without it.
 """
 
 from __future__ import annotations
@@ -71,6 +85,10 @@ class Handler:
     takes_tombstones: bool = False
     # None: the event type on every topic of the consumer.
     topic: str | None = None
+    # A batch handler: called with a list of events (and a list of contexts).
+    batch: bool = False
+    # Most events in one call of a batch handler (None: the settings' handler_max_batch).
+    max_batch: int | None = None
 
     @property
     def claim(self) -> str:
@@ -97,12 +115,41 @@ class Handler:
         return self.model.model_validate_json(event.value)
 
     async def __call__(self, event: InboxEvent, session: AsyncSession, attempt: int = 1) -> None:
+        if self.batch:
+            contexts = [EventContext.of(event, attempt)] if self.wants_context else None
+            await self.call_batch([event], [self.parse(event)], session, contexts)
+            return
         arg = self.parse(event)
         extra = (EventContext.of(event, attempt),) if self.wants_context else ()
+        await self._invoke(session, arg, *extra)
+
+    async def call_batch(
+        self,
+        events: Sequence[InboxEvent],
+        args: list[Any],
+        session: AsyncSession,
+        contexts: list[EventContext] | None,
+    ) -> None:
+        """Call a batch handler with ``args`` (``events`` parsed, see :meth:`parse`) and,
+        when it declared them, ``contexts`` (built from ``events`` when None)."""
+        if not self.wants_context:
+            await self._invoke(session, args)
+            return
+        if contexts is None:
+            contexts = [EventContext.of(e, 1) for e in events]
+        await self._invoke(session, args, contexts)
+
+    async def _invoke(self, session: AsyncSession, first: Any, *extra: Any) -> None:
         if self.is_async:
-            await typing.cast(Awaitable[None], self.fn(arg, session, *extra))
+            await typing.cast(Awaitable[None], self.fn(first, session, *extra))
         else:
-            await session.run_sync(lambda sync_session: self.fn(arg, sync_session, *extra))
+            await session.run_sync(lambda sync_session: self.fn(first, sync_session, *extra))
+
+    def batch_limit(self, default: int) -> int:
+        """Most events in one call (1 for a per-event handler)."""
+        if not self.batch:
+            return 1
+        return default if self.max_batch is None else self.max_batch
 
 
 def _model_of(hint: Any) -> tuple[type[BaseModel] | None, bool]:
@@ -117,28 +164,76 @@ def _model_of(hint: Any) -> tuple[type[BaseModel] | None, bool]:
     return None, False
 
 
-def _signature_of(fn: HandlerFn) -> tuple[type[BaseModel] | None, bool, bool]:
+# What a batch handler's first parameter may be annotated with: list[X] or Sequence[X].
+_LISTS = (list, Sequence, typing.Sequence)
+
+
+def _list_item(hint: Any) -> Any:
+    """X of a ``list[X]`` (or ``Sequence[X]``) annotation; ``_NOT_A_LIST`` otherwise."""
+    if typing.get_origin(hint) in _LISTS:
+        args = typing.get_args(hint)
+        return args[0] if len(args) == 1 else Any
+    return _NOT_A_LIST
+
+
+_NOT_A_LIST = object()
+
+
+def _signature_of(fn: HandlerFn, batch: bool) -> tuple[type[BaseModel] | None, bool, bool]:
     """The handler's payload model (None: it takes the raw event), whether the model
     parameter admits None (tombstones) and whether it takes an :class:`EventContext`
-    third."""
+    third (a ``list[EventContext]`` for a batch handler)."""
+    name = fn.__qualname__
     params = list(inspect.signature(fn).parameters.values())
+    shape = "(events, session)" if batch else "(event, session)"
     if len(params) < 2:
-        raise HandlerConfigurationError(f"handler {fn.__qualname__} must accept (event, session)")
+        raise HandlerConfigurationError(f"handler {name} must accept {shape}")
     try:
         hints = typing.get_type_hints(fn)
     except Exception as exc:  # an unresolvable annotation is a declaration bug
         raise HandlerConfigurationError(
-            f"cannot resolve annotations of handler {fn.__qualname__}: {exc}"
+            f"cannot resolve annotations of handler {name}: {exc}"
         ) from None
-    model, takes_tombstones = _model_of(hints.get(params[0].name))
-    wants_context = len(params) > 2 and hints.get(params[2].name) is EventContext
+    first = hints.get(params[0].name)
+    item = _list_item(first)
+    if batch and item is _NOT_A_LIST:
+        raise HandlerConfigurationError(
+            f"batch handler {name} must take a list first: annotate {params[0].name!r} "
+            "list[Model] (a pydantic model) or list[InboxEvent]"
+        )
+    if not batch and item is not _NOT_A_LIST:
+        raise HandlerConfigurationError(
+            f"handler {name} takes a list first: declare it with batch=True to receive "
+            "events in lists, or annotate one event"
+        )
+    if batch:
+        first = item
+        if not _is_model_or_event(first):
+            raise HandlerConfigurationError(
+                f"batch handler {name}: the list's items must be a pydantic model or "
+                f"InboxEvent, not {first!r}"
+            )
+    model, takes_tombstones = _model_of(first)
+    context = hints.get(params[2].name) if len(params) > 2 else None
+    wants_context = (_list_item(context) if batch else context) is EventContext
+    if batch and context is EventContext:
+        raise HandlerConfigurationError(
+            f"batch handler {name}: annotate {params[2].name!r} list[EventContext] "
+            "(one context per event of the list)"
+        )
     extra = params[3:] if wants_context else params[2:]
     if any(p.default is inspect.Parameter.empty for p in extra):
         raise HandlerConfigurationError(
-            f"handler {fn.__qualname__} takes (event, session) and optionally a third "
-            "parameter annotated EventContext; any others need defaults"
+            f"handler {name} takes {shape} and optionally a third parameter annotated "
+            f"{'list[EventContext]' if batch else 'EventContext'}; any others need defaults"
         )
     return model, takes_tombstones, wants_context
+
+
+def _is_model_or_event(hint: Any) -> bool:
+    if hint is Any or (isinstance(hint, type) and issubclass(hint, InboxEvent)):
+        return True
+    return _model_of(hint)[0] is not None
 
 
 @dataclass
@@ -200,6 +295,8 @@ class Consumer:
         topic: str | None = None,
         max_attempts: int | None = None,
         stale: Literal["skip"] | None = None,
+        batch: bool = False,
+        max_batch: int | None = None,
     ) -> Callable[[HandlerFn], HandlerFn]:
         """Register the decorated function for events of type ``event_type`` (on every
         topic, or on ``topic`` only), or for every record of ``topic`` (no type: what
@@ -209,7 +306,30 @@ class Consumer:
         ``sequence`` is not above the highest sequence this consumer applied for its key is
         skipped (counted as stale), so a dead letter replayed late or a retried failed row
         cannot overwrite newer state. Events without a sequence are handled as usual.
+
+        ``batch=True`` makes it a batch handler (see the module docstring): its first
+        parameter is ``list[Model]`` or ``list[InboxEvent]``, and it gets up to
+        ``max_batch`` events per call (default: ``OUTBOX_CONSUMER__HANDLER_MAX_BATCH``).
+        Attempts, dead letters and ``stale`` still apply to each event on its own::
+
+            @app.handler("order.placed", batch=True, max_batch=1000)
+            async def project(orders: list[OrderPlaced], session: AsyncSession) -> None:
+                for order in orders:
+                    if order.total_cents < 0:
+                        raise Permanent("negative total", event=order)  # only this one
+                await session.execute(upsert, [o.model_dump() for o in orders])
+
+        A declaration that does not fit (no list first with ``batch=True``, a list without
+        it, ``max_batch`` below 1 or without ``batch=True``) raises
+        :class:`~inbox.errors.HandlerConfigurationError` here, when the module is imported.
         """
+        if max_batch is not None:
+            if not batch:
+                raise HandlerConfigurationError("max_batch is for batch handlers (batch=True)")
+            if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
+                raise HandlerConfigurationError(
+                    f"max_batch must be a whole number of at least 1, not {max_batch!r}"
+                )
         if max_attempts is not None and max_attempts < 1:
             raise HandlerConfigurationError("max_attempts must be at least 1")
         if stale not in (None, "skip"):
@@ -226,7 +346,7 @@ class Consumer:
             )
 
         def register(fn: HandlerFn) -> HandlerFn:
-            model, takes_tombstones, wants_context = _signature_of(fn)
+            model, takes_tombstones, wants_context = _signature_of(fn, batch)
             new = Handler(
                 event_type=event_type,
                 fn=fn,
@@ -237,6 +357,8 @@ class Consumer:
                 max_attempts=max_attempts,
                 stale=stale,
                 topic=topic,
+                batch=batch,
+                max_batch=max_batch,
             )
             self._check(new)
             if topic is None:

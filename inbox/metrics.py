@@ -45,6 +45,15 @@ class Metrics:
             registry=self.registry,
             buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1, 5),
         ).labels(self.consumer)
+        self._batch_size = Histogram(
+            "outbox_inbox_batch_size",
+            "Events per call of a batch handler (duplicates and stale events left out).",
+            ["consumer"],
+            registry=self.registry,
+            buckets=(1, 2, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000),
+        ).labels(self.consumer)
+        # Calls of batch handlers, and the events they carried (for tests and benchmarks).
+        self.batch_calls = self.batch_events = 0
         self._refused_by_topic: Tally[str] = Tally()  # which topic: in the log line
         self.counts = dict.fromkeys(COUNTERS, 0)
         # One series per partition while this member has it assigned.
@@ -91,6 +100,12 @@ class Metrics:
 
     def handler_seconds(self, seconds: float) -> None:
         self._handler_seconds.observe(seconds)
+
+    def batch_size(self, events: int) -> None:
+        """One call of a batch handler with ``events`` events."""
+        self._batch_size.observe(events)
+        self.batch_calls += 1
+        self.batch_events += events
 
     def lag(self, topic: str, partition: int, records: int) -> None:
         self._lag.labels(self.consumer, topic, str(partition)).set(records)

@@ -69,6 +69,18 @@ partition whose handler raised resumes from that failure as after a failed run o
 failure no handler raised (a write refused at the final flush, the commit) cannot be
 pinned on a partition: each runs its next run alone, where the savepoint per event finds
 it (sharing again would fail again, forever).
+
+Batch handlers (``@app.handler(..., batch=True)``): a transaction calls one with each run
+of consecutive new events it takes (:func:`_groups`: across the members, in offset order
+per partition, up to its ``max_batch``). A failed call cannot be pinned on one event unless
+the failure says which (a stale check or a payload that failed for one event, a
+``Permanent``/``Retryable`` raised with ``event=``, a list of one): then that event is
+the failing handler above, first attempt counted. Otherwise the failure is like one at the
+final flush: the partition runs again with a savepoint per call (:meth:`_savepointed`),
+where a failing call is split in halves, each under its own savepoint, down to the first
+failing event (:meth:`_split`); the events before it commit, and it goes on alone. The
+calls of the split are not attempts of the events in them: an event is charged from the
+run where it failed alone.
 """
 
 from __future__ import annotations
@@ -78,7 +90,7 @@ import contextlib
 import enum
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 
 from psycopg.pq import TransactionStatus
@@ -87,6 +99,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from inbox import failures, tracing
 from inbox.app import Consumer, Handler
 from inbox.connections import Connections, Held
+from inbox.context import EventContext
 from inbox.dead_lettering import DeadLetterer, DeadLetterSink
 from inbox.event import InboxEvent
 from inbox.failures import Failure
@@ -94,6 +107,7 @@ from inbox.metrics import Metrics
 from inbox.store import Arm, Driver, InboxStore, Marker
 from outbox.db import describe, unavailable
 from outbox.dberrors import is_conflict, is_outage
+from outbox.resilience.classify import Permanent, Retryable
 from outbox.resilience.retry import RetryPolicy
 from outbox.settings import ConsumerSettings
 
@@ -148,6 +162,17 @@ class _RetryAlone:
     # Attempts the failure counts: 1, or 0 for a conflict (a serialization failure or a
     # deadlock is the database asking to run the transaction again, not the event's fault).
     prior: int = 1
+
+
+@dataclass(frozen=True)
+class _Split:
+    """What :meth:`PartitionProcessor._split` did with a batch handler's group: events
+    handled and duplicates, and the first failing event (its index in the group, the
+    error) when one failed alone."""
+
+    processed: int
+    duplicates: int
+    failed: tuple[int, Exception] | None = None
 
 
 @dataclass(frozen=True)
@@ -524,6 +549,56 @@ class PartitionProcessor:
                 await handler(event, session, attempt)
         finally:
             self.metrics.handler_seconds(time.perf_counter() - started)
+        if handler.batch:
+            self.metrics.batch_size(1)
+
+    async def _run_batch(
+        self,
+        handler: Handler,
+        events: Sequence[InboxEvent],
+        session: AsyncSession,
+        raw: Driver | None,
+        blame: _Blame,
+    ) -> None:
+        """One call of a batch handler with the new ``events`` (their first attempt; the
+        stale ones left out) in ``session``'s transaction. When it raises, ``blame`` says
+        which event failed if that is known: its stale check or its parsing failed, or
+        the handler named it (``Permanent(..., event=item)``)."""
+        kept: Sequence[InboxEvent] = events
+        args: list[object] = []
+        parse = handler.parse
+        if handler.stale is None:
+            try:
+                for event in events:
+                    args.append(parse(event))
+            except Exception:
+                blame.index = len(args)  # the event whose payload failed to parse
+                raise
+        else:
+            kept = []
+            for k, event in enumerate(events):
+                blame.index = k
+                if await self._stale(event, raw or session):
+                    continue
+                args.append(parse(event))
+                kept.append(event)
+            blame.index = None
+        if not kept:
+            return
+        contexts = [EventContext.of(e, 1) for e in kept] if handler.wants_context else None
+        started = time.perf_counter()
+        try:
+            with tracing.batch(kept, self.consumer):
+                await handler.call_batch(kept, args, session, contexts)
+        except Exception as exc:
+            # A list of one is that event's failure, named or not.
+            pinned = 0 if len(kept) == 1 else _pinned(exc, kept, args, contexts)
+            if pinned is not None:
+                blame.index = events.index(kept[pinned])
+            raise
+        finally:
+            self.metrics.handler_seconds(time.perf_counter() - started)
+        self.metrics.batch_size(len(kept))
 
     async def _stale(self, event: InboxEvent, db: AsyncSession | Driver) -> bool:
         """True when the event's sequence is not above the one applied for its key (the
@@ -566,38 +641,63 @@ class PartitionProcessor:
         processed = duplicates = dead = skipped = 0
         stop: _RetryAlone | None = None
         async with self.sessions() as session, session.begin():
-            for index, event in enumerate(chunk):
+            index = 0
+            while index < len(chunk):
+                event = chunk[index]
                 if self._needs_policy(event):
                     if await self._dead.apply_policy(session, event):
                         dead += 1
                     else:
                         skipped += 1
+                    index += 1
                     continue
-                savepoint = await session.begin_nested()
-                try:
-                    if not await self.store.claim(session, self.consumer, [event]):
-                        await savepoint.commit()
-                        duplicates += 1
-                        tracing.duplicate(event, self.consumer)
+                handler = self._handler(event)
+                assert handler is not None
+                if handler.batch:
+                    group = self._group_at(chunk, index, handler)
+                    split = await self._split(session, handler, group)
+                    processed += split.processed
+                    duplicates += split.duplicates
+                    if split.failed is None:
+                        index += len(group)
                         continue
-                    await self._run_handler(event, session)
-                    await savepoint.commit()  # flushes: handler write errors surface here
-                    processed += 1
-                except Exception as exc:
-                    if is_outage(exc):
-                        # Not the event's fault: the whole transaction rolls back (leaving
-                        # this block), and the run is tried again once the database is back.
-                        raise unavailable(exc) from exc
-                    await savepoint.rollback()
-                    failure = failures.classify(exc, self.config.error_message_chars)
-                    if is_conflict(exc):
-                        stop = _RetryAlone(index, failure, 0)
-                        break
-                    if failure.retryable and self._max_attempts(event) > 1:
-                        stop = _RetryAlone(index, failure)
-                        break
-                    if await self._dead.send(session, event, failure, attempts=1):
-                        dead += 1
+                    # The first failing event of the list, found alone; those before it
+                    # are handled. It is treated as a per-event handler's failure below.
+                    offset, exc = split.failed
+                    index += offset
+                    event = chunk[index]
+                else:
+                    savepoint = await session.begin_nested()
+                    try:
+                        if not await self.store.claim(session, self.consumer, [event]):
+                            await savepoint.commit()
+                            duplicates += 1
+                            tracing.duplicate(event, self.consumer)
+                            index += 1
+                            continue
+                        await self._run_handler(event, session)
+                        await savepoint.commit()  # flushes: handler write errors surface here
+                        processed += 1
+                        index += 1
+                        continue
+                    except Exception as error:
+                        if is_outage(error):
+                            # Not the event's fault: the whole transaction rolls back
+                            # (leaving this block), and the run is tried again once the
+                            # database is back.
+                            raise unavailable(error) from error
+                        await savepoint.rollback()
+                        exc = error
+                failure = failures.classify(exc, self.config.error_message_chars)
+                if is_conflict(exc):
+                    stop = _RetryAlone(index, failure, 0)
+                    break
+                if failure.retryable and self._max_attempts(event) > 1:
+                    stop = _RetryAlone(index, failure)
+                    break
+                if await self._dead.send(session, event, failure, attempts=1):
+                    dead += 1
+                index += 1
             if stop is None:
                 await self._write_at_commit(session, at_commit)
         if stop is None:
@@ -609,6 +709,75 @@ class PartitionProcessor:
             return stop
         await self._progress(chunk[-1])
         return len(chunk)
+
+    def _group_at(
+        self, chunk: Sequence[InboxEvent], index: int, handler: Handler
+    ) -> Sequence[InboxEvent]:
+        """The events of one call of batch ``handler`` starting at ``chunk[index]``."""
+        end = index + 1
+        limit = index + handler.batch_limit(self.config.handler_max_batch)
+        while (
+            end < min(len(chunk), limit)
+            and not self._needs_policy(chunk[end])
+            and self._handler(chunk[end]) is handler
+        ):
+            end += 1
+        return chunk[index:end]
+
+    async def _split(
+        self, session: AsyncSession, handler: Handler, group: Sequence[InboxEvent]
+    ) -> _Split:
+        """Claim ``group`` and call batch ``handler`` with its new events, under a
+        savepoint. If that fails, it is rolled back and the group split in halves, each
+        under its own savepoint, down to the first failing event alone: everything before
+        that event is handled (its savepoints released), nothing after it is tried, so the
+        partition's order holds. A failure the handler pins on one event
+        (``Permanent(..., event=item)``) is taken at its word, without a split; a conflict
+        (serialization failure, deadlock) is no event's fault and is not split either."""
+        unique: dict[str, InboxEvent] = {}
+        for event in group:
+            unique.setdefault(event.event_id, event)
+        blame = _Blame()
+        new: list[InboxEvent] = []
+        savepoint = await session.begin_nested()
+        try:
+            fresh = await self.store.claim(session, self.consumer, list(unique.values()))
+            new = [e for e in group if e.event_id in fresh and unique[e.event_id] is e]
+            if new:
+                await self._run_batch(handler, new, session, None, blame)
+            await savepoint.commit()  # flushes: the handler's write errors surface here
+        except Exception as exc:
+            if is_outage(exc):
+                raise unavailable(exc) from exc  # the whole transaction rolls back
+            await savepoint.rollback()
+            if is_conflict(exc):
+                # The database asks for the transaction again; no event is at fault. The
+                # first one runs again alone (uncharged), the rest in lists after it.
+                return _Split(0, 0, (0, exc))
+            if blame.index is not None:
+                culprit = group.index(new[blame.index])
+                before = (
+                    await self._split(session, handler, group[:culprit])
+                    if culprit
+                    else _Split(0, 0)
+                )
+                if before.failed is not None:
+                    return before
+                return replace(before, failed=(culprit, exc))
+            if len(group) == 1:
+                return _Split(0, 0, (0, exc))
+            half = len(group) // 2
+            left = await self._split(session, handler, group[:half])
+            if left.failed is not None:
+                return left
+            right = await self._split(session, handler, group[half:])
+            failed = None if right.failed is None else (half + right.failed[0], right.failed[1])
+            return _Split(
+                left.processed + right.processed, left.duplicates + right.duplicates, failed
+            )
+        if len(new) < len(group):
+            _trace_duplicates(group, fresh, unique, self.consumer)
+        return _Split(len(new), len(group) - len(new))
 
     def _count(self, processed: int, duplicates: int, dead: int, skipped: int) -> None:
         """The outcome of one committed careful-path transaction."""
@@ -851,11 +1020,21 @@ async def _transaction(
                 held.raw, lead.consumer, list(unique.values()), arm=arm
             )
             session = AsyncSession(bind=held.sa, expire_on_commit=False)
-            for m, (p, run) in enumerate(members):
-                for i, event in enumerate(run):
-                    if event.event_id in fresh and unique[event.event_id] is event:
-                        at = (m, i)
-                        await p._run_handler(event, session, raw=held.raw)
+            for handler, group in _groups(members, fresh, unique, lead.config.handler_max_batch):
+                if not handler.batch:
+                    ((m, i, p, event),) = group
+                    at = (m, i)
+                    await p._run_handler(event, session, raw=held.raw)
+                    continue
+                # A failed call is pinned on one event only when the handler (or the
+                # parsing of one event) says which: else the split finds it (_savepointed).
+                at, blame = None, _Blame()
+                try:
+                    await lead._run_batch(handler, [e for *_, e in group], session, held.raw, blame)
+                except Exception:
+                    if blame.index is not None:
+                        at = group[blame.index][:2]
+                    raise
             at = None
             await _commit(held, session)
         except Exception as exc:
@@ -870,6 +1049,67 @@ async def _transaction(
         await connections.give(held)
     lead.metrics.transactions()
     return fresh, unique
+
+
+# One step of a transaction: a handler and the events of one call (one event, unless it is
+# a batch handler), each with its member's position, the event's in its run, its processor.
+Placed = tuple[int, int, "PartitionProcessor", InboxEvent]
+
+
+def _groups(
+    members: Sequence[tuple[PartitionProcessor, Sequence[InboxEvent]]],
+    fresh: Collection[str],
+    unique: dict[str, InboxEvent],
+    max_batch: int,
+) -> Iterator[tuple[Handler, list[Placed]]]:
+    """The calls a transaction makes, in order: each new event of a per-event handler
+    alone; consecutive new events of one batch handler together (across members: the
+    list stays in offset order per partition), up to its ``max_batch``."""
+    # Runs once per event of every transaction: kept to lookups and one append.
+    group: list[Placed] = []
+    current: Handler | None = None
+    limit = 0
+    for m, (p, run) in enumerate(members):
+        route = p._route
+        for i, event in enumerate(run):
+            event_id = event.event_id
+            if event_id not in fresh or unique[event_id] is not event:
+                continue
+            handler = route(event.event_type)
+            if handler is not current or len(group) >= limit:
+                assert handler is not None  # runs with events needing a policy are not fast
+                if current is not None:
+                    yield current, group
+                group, current, limit = [], handler, handler.batch_limit(max_batch)
+            group.append((m, i, p, event))
+    if current is not None:
+        yield current, group
+
+
+@dataclass
+class _Blame:
+    """Which event of a batch handler's list a failure belongs to (None: not known)."""
+
+    index: int | None = None
+
+
+def _pinned(
+    exc: Exception,
+    events: Sequence[InboxEvent],
+    args: Sequence[object],
+    contexts: Sequence[EventContext] | None,
+) -> int | None:
+    """The index of the item a ``Permanent``/``Retryable`` raised with ``event=`` names:
+    the parsed item, the InboxEvent or its EventContext (None: it names none of them)."""
+    target = getattr(exc, "event", None) if isinstance(exc, Permanent | Retryable) else None
+    if target is None:
+        return None
+    for k, event in enumerate(events):
+        if target is args[k] or target is event or (contexts and target is contexts[k]):
+            return k
+    if isinstance(target, InboxEvent):  # a copy of one: the same id (ids are unique here)
+        return next((k for k, e in enumerate(events) if e.event_id == target.event_id), None)
+    return None
 
 
 async def _commit(held: Held, session: AsyncSession) -> None:

@@ -1,5 +1,6 @@
 """The consumer's spans: one ``process`` span per handler run, a child of the producer's
-trace (extracted from the record's ``traceparent``), with the messaging attributes.
+trace (extracted from the record's ``traceparent``), with the messaging attributes; a
+batch handler's call gets one span linked to every event's trace.
 
 Outcomes are marked on the spans: a handler error sets status ERROR with the exception
 recorded; a retry is a new span with ``outbox.attempt`` > 1 and a ``retry`` event; a
@@ -11,6 +12,7 @@ Every hook returns at once when tracing is off (see :func:`outbox.tracing.active
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
@@ -100,6 +102,59 @@ class _Process:
             self._span.set_attribute(tracing.ERROR_TYPE, type(exc).__qualname__)
             self._span.set_status(Status(StatusCode.ERROR, type(exc).__qualname__))
         self._span.end()
+
+
+# The SDK keeps 128 links per span unless configured otherwise (OTEL_SPAN_LINK_COUNT_LIMIT):
+# building more for a 1,000-event call would only cost time.
+MAX_LINKS = 128
+LINKS_DROPPED = "outbox.links_dropped"
+
+
+def batch(events: Sequence[InboxEvent], consumer: str) -> AbstractContextManager[Any]:
+    """Around one call of a batch handler: one process span of its own trace, linked to
+    each event's producer trace (a list spans many traces, so it cannot be a child of all
+    of them: the messaging conventions' batch shape)."""
+    if not tracing.active():
+        return _OFF
+    return _Batch(events, consumer)
+
+
+class _Batch(_Process):
+    __slots__ = ()
+
+    def __init__(self, events: Sequence[InboxEvent], consumer: str) -> None:
+        from opentelemetry.trace import Link, SpanKind
+
+        topics = {e.topic for e in events}
+        attributes: dict[str, Any] = {
+            tracing.SYSTEM: "kafka",
+            tracing.OPERATION_TYPE: "process",
+            tracing.OPERATION_NAME: "process",
+            tracing.CONSUMER_GROUP: consumer,
+            tracing.BATCH_COUNT: len(events),
+        }
+        name = "process"
+        if len(topics) == 1:
+            attributes[tracing.DESTINATION] = name_topic = next(iter(topics))
+            name = f"process {name_topic}"
+        links = []
+        for event in events:
+            headers = dict(carrier(event))  # the last of a repeated header wins
+            parent = headers.get(tracing.TRACEPARENT)
+            if parent is None:
+                continue
+            state = headers.get(tracing.TRACESTATE)
+            context = tracing.span_context(
+                parent.decode("latin-1"), None if state is None else state.decode("latin-1")
+            )
+            if context is not None:
+                links.append(Link(context, {tracing.MESSAGE_ID: event.event_id}))
+                if len(links) == MAX_LINKS:
+                    attributes[LINKS_DROPPED] = len(events) - MAX_LINKS
+                    break
+        self._span = tracing.tracer().start_span(
+            name, kind=SpanKind.CONSUMER, attributes=attributes, links=links
+        )
 
 
 def duplicate(event: InboxEvent, consumer: str) -> None:

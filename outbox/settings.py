@@ -227,6 +227,15 @@ class ConsumerSettings(_Section):
     max_batch_records: int = Field(
         500, ge=1, le=100_000, description="Records handled in one partition transaction."
     )
+    handler_max_batch: int = Field(
+        500,
+        ge=1,
+        le=100_000,
+        description="Most events in one call of a batch handler (`@app.handler(..., "
+        "batch=True)`), unless it sets its own `max_batch`. A call never spans more than one "
+        "transaction, so max_batch_records bounds it too for one partition (and "
+        "transaction_per=event makes every list one event).",
+    )
     max_fetched_bytes: int = Field(
         16 * 1024 * 1024,
         ge=1024 * 1024,

@@ -8,11 +8,31 @@
         again = await inbox_harness.deliver(first.event)
         assert again.outcome == "duplicate"
 
+    async def test_projection_takes_lists(inbox_harness):
+        events = [inbox_harness.event("order.created", OrderCreated(...)) for _ in range(3)]
+        result = await inbox_harness.deliver_batch(events)
+        assert (result.handled, result.calls) == (3, 1)
+
 The pytest plugin (installed with the package) provides the fixtures; a project's
 ``conftest.py`` names its app in one line: ``inbox_app = app_fixture(app)``.
 """
 
-from inbox.testing.harness import DeadLetterRecord, Delivery, InboxHarness, Outcome, Record
+from inbox.testing.harness import (
+    BatchDelivery,
+    DeadLetterRecord,
+    Delivery,
+    InboxHarness,
+    Outcome,
+    Record,
+)
 from inbox.testing.plugin import app_fixture
 
-__all__ = ["DeadLetterRecord", "Delivery", "InboxHarness", "Outcome", "Record", "app_fixture"]
+__all__ = [
+    "BatchDelivery",
+    "DeadLetterRecord",
+    "Delivery",
+    "InboxHarness",
+    "Outcome",
+    "Record",
+    "app_fixture",
+]

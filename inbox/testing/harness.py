@@ -76,6 +76,24 @@ class Delivery:
 
 
 @dataclass(frozen=True)
+class BatchDelivery:
+    """What one :meth:`InboxHarness.deliver_batch` did with its events."""
+
+    events: tuple[InboxEvent, ...]
+    # The consumer's counters moved by the delivery: processed, duplicates, dead_lettered,
+    # skipped, stale, retries, transactions.
+    counts: Mapping[str, int]
+    # Calls of batch handlers it made (splits after a failure included).
+    calls: int
+    dead_letters: tuple[DeadLetterRecord, ...]
+
+    @property
+    def handled(self) -> int:
+        """Events whose handler committed."""
+        return self.counts["processed"]
+
+
+@dataclass(frozen=True)
 class Record:
     """A Kafka record as some producer wrote it (from :meth:`InboxHarness.record`): a
     delivery reads it through the app's envelope for its topic, as the daemon does."""
@@ -230,10 +248,39 @@ class InboxHarness:
                 raise TypeError("deliver(event_type, payload, ...) needs a payload")
             event = self.event(event, payload, **fields)
         event = replace(event, offset=offset)
-        processor = self._processor(event.topic)
+        counts, dead_letters = await self._run([event])
+        dead = dead_letters[0] if dead_letters else None
+        return Delivery(event, _outcome(counts), _runs(counts, dead), dead)
+
+    async def deliver_batch(self, events: Sequence[InboxEvent]) -> BatchDelivery:
+        """Deliver ``events`` (from :meth:`event`) at once, at consecutive offsets of one
+        partition, as one fetch brings them: a batch handler gets them in lists (up to its
+        ``max_batch``), exactly as the daemon calls it, and a failing call is split the
+        same way. Returns what became of them, counted."""
+        if not events:
+            raise ValueError("deliver_batch needs at least one event")
+        if len({e.topic for e in events}) > 1:
+            raise ValueError("deliver_batch takes the events of one topic")
+        placed = []
+        for event in events:
+            placed.append(replace(event, offset=self._next_offset))
+            self._next_offset += 1
+        calls = self.metrics.batch_calls
+        counts, dead_letters = await self._run(placed)
+        return BatchDelivery(
+            events=tuple(placed),
+            counts=counts,
+            calls=self.metrics.batch_calls - calls,
+            dead_letters=tuple(dead_letters),
+        )
+
+    async def _run(self, events: list[InboxEvent]) -> tuple[dict[str, int], list[DeadLetterRecord]]:
+        """Process ``events`` (one topic, rising offsets) to the end: the metric counts
+        they moved and the dead letters they produced."""
+        processor = self._processor(events[0].topic)
         before = dict(self.metrics.counts)
         letters = len(self.dead_letters)
-        pending = [event]
+        pending = list(events)
 
         def queued(after: int, limit: int) -> Sequence[InboxEvent]:
             return [e for e in pending if e.offset > after][:limit]
@@ -249,8 +296,7 @@ class InboxHarness:
         finally:
             await self._hot().close()  # nothing stays connected between deliveries
         counts = {k: v - before[k] for k, v in self.metrics.counts.items()}
-        dead = self.dead_letters[letters] if len(self.dead_letters) > letters else None
-        return Delivery(event, _outcome(counts), _runs(counts, dead), dead)
+        return counts, self.dead_letters[letters:]
 
     def _from_outbox(self, event: PublishedEvent) -> InboxEvent:
         headers = dict(event.headers)

@@ -23,14 +23,31 @@ _RETRYABLE_4XX = frozenset({408, 425, 429})
 _DELAY_SECONDS = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*$")
 
 
-class Permanent(OutboxError):
-    """Raise (or subclass) to declare a failure that retrying cannot fix."""
+class _Declared(OutboxError):
+    """A failure user code declares, optionally naming the one event it belongs to."""
+
+    def __init__(self, *args: object, event: object | None = None) -> None:
+        super().__init__(*args)
+        # In a batch handler: the item of the list (the model, the InboxEvent or its
+        # EventContext) that failed, so that only it is retried or dead-lettered.
+        self.event = event
+
+
+class Permanent(_Declared):
+    """Raise (or subclass) to declare a failure that retrying cannot fix.
+
+    A batch handler names the event at fault with ``event=``: that event alone is
+    dead-lettered and the rest of the list is handled again without it::
+
+        raise Permanent("negative total", event=order)
+    """
 
     retriable = False
 
 
-class Retryable(OutboxError):
-    """Raise (or subclass) to declare a transient failure worth retrying."""
+class Retryable(_Declared):
+    """Raise (or subclass) to declare a transient failure worth retrying (``event=``: in a
+    batch handler, only that event is retried; the ones before it commit)."""
 
     retriable = True
 

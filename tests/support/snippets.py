@@ -29,6 +29,10 @@ RUN = {
         "tests/acceptance/test_doc_snippets.py",
     ),
     "docs/concepts/canonical-json.md": ({"test-vector"}, "tests/unit/test_docs.py"),
+    "docs/howto/project-into-table.md": (
+        {"projection.py"},
+        "tests/integration/test_project_into_table_doc.py",
+    ),
     "docs/howto/testing.md": (
         {"pytest.ini", "conftest.py", "test_shipping.py"},
         "tests/acceptance/test_doc_snippets.py",
