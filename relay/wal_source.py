@@ -1,0 +1,403 @@
+"""The relay's WAL source: events read from a logical replication slot, in commit order.
+
+One relay reads a slot at a time: it holds a session advisory lock (relay/wal_store.py)
+on the connection that reads; the others stand by, trying the lock every
+``relay.poll_interval_seconds``, and the first to get it after the reader's connection
+dies takes over from the slot's confirmed position.
+
+A read (``wal.batch_changes`` changes at most, whole transactions) goes through a cursor,
+a few hundred records at a time, so neither a huge transaction nor large messages are
+held at once: events are published in batches of up to ``relay.batch_size`` events or
+the relay's share of ``relay.max_inflight_bytes``, each waited for until Kafka has
+acknowledged every event in it (or refused it for good: the failed table). Only then is
+the slot advanced, to the end of the last transaction whose events are all settled — so
+a crash re-reads from there (duplicates, never loss: the inbox dedupes). Within this
+process a transaction larger than one batch is resumed after its last settled event
+(the slot can only be confirmed at transaction ends).
+
+A slot that disappears or is invalidated under the relay (``wal_status = 'lost'``: past
+``max_slot_wal_keep_size``) stops it at once with :class:`~relay.errors.SlotLost`: the
+WAL it held may be gone, and a new slot would silently start from now.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+import psycopg
+
+from outbox import envelope, wal_codec
+from outbox.db import unavailable, unprepared_connection
+from outbox.dberrors import is_transient
+from outbox.errors import DatabaseUnavailable, SchemaMissing, TopicMissing
+from outbox.outages import Dependency
+from outbox.resilience.retry import RetryPolicy
+from outbox.settings import OutboxSettings
+from relay import pgoutput
+from relay.errors import PartitionUnavailable, ProducerBroken, RecordRejected, SlotLost, SlotMissing
+from relay.kafka_state import KafkaState
+from relay.metrics import RelayMetrics
+from relay.publisher import Publisher
+from relay.store import CE_ID, EVENT_TYPE, KEY, PAYLOAD, TOPIC, ClaimedRow, RelayStore
+from relay.waiting import sleep_unless
+from relay.wal_store import WalStore, lsn_int, lsn_text
+
+log = logging.getLogger("relay.wal")
+
+# Records fetched from the read's cursor at a time.
+FETCH_RECORDS = 500
+# How long rows of a missing topic wait before the topic is asked for again.
+MISSING_TOPIC_RECHECK_SECONDS = 5.0
+# SQLSTATEs of a slot gone under the reader: dropped (undefined_object), invalidated
+# (object_not_in_prerequisite_state: "This slot has been invalidated because it exceeded
+# the maximum reserved size").
+_DROPPED, _INVALID = "42704", "55000"
+
+
+def _row(event: wal_codec.WalEvent, ce_time: str) -> ClaimedRow:
+    """A WAL event in the claimed-row layout the publisher takes (relay/store.py); id,
+    lane, attempts and fingerprint only matter if it goes to the failed table."""
+    return (
+        0,
+        0,
+        event.topic,
+        event.key,
+        event.payload,
+        str(event.event_id),
+        event.event_type,
+        event.source,
+        event.content_type,
+        event.headers,
+        ce_time,
+        0,
+        b"",
+    )
+
+
+class _Batch:
+    """Events read but not yet published, and the transaction ends they complete."""
+
+    def __init__(self) -> None:
+        self.rows: list[ClaimedRow] = []
+        self.positions: list[tuple[int, int]] = []  # (transaction, index in it) per row
+        self.bytes = 0
+        self.commit: int | None = None  # end LSN of the last transaction ended in it
+
+
+class WalSource:
+    def __init__(
+        self,
+        settings: OutboxSettings,
+        publisher: Publisher,
+        kafka: KafkaState,
+        metrics: RelayMetrics,
+    ) -> None:
+        self._settings = settings
+        self._store = WalStore(settings)
+        self._relay_store = RelayStore(settings)
+        self._publisher = publisher
+        self._kafka = kafka
+        self._metrics = metrics
+        self.database = Dependency("database", log)
+        self._db_retry = RetryPolicy.from_settings(settings.retry)
+        r = settings.relay
+        self._row_retry = RetryPolicy(
+            settings.retry.base_seconds, settings.retry.cap_seconds, r.max_attempts
+        )
+        self._conn: psycopg.AsyncConnection[tuple[Any, ...]] | None = None
+        self.reading = False  # holds the reader lock
+        self.confirmed: int | None = None  # the slot's confirmed LSN, as last seen or set
+        # The last event settled in this process: (transaction's final LSN, index in it).
+        # A re-read of a transaction only partly settled resumes after it.
+        self._done = (0, -1)
+        self._last_commit_at = 0.0  # loop time of the last transaction end read
+        self._attempts: dict[str, int] = {}  # event id -> rejections so far
+        self._batch_bytes = max(1, r.max_inflight_bytes // 2)
+
+    @property
+    def connected(self) -> bool:
+        return self._conn is not None and not self._conn.closed
+
+    async def run(self, stopping: asyncio.Event) -> None:
+        loop = asyncio.get_running_loop()
+        failures = 0
+        idle = self._settings.relay.min_poll_interval_seconds
+        self._last_commit_at = loop.time()
+        try:
+            while not stopping.is_set():
+                try:
+                    if self._conn is None:
+                        self._conn = await unprepared_connection(self._settings, "outbox-relay-wal")
+                    if not self.reading:
+                        await self._take_slot(stopping)
+                        continue
+                    busy = await self._read(stopping)
+                    if busy and stopping.is_set():
+                        break
+                    failures = 0
+                    self.database.ok()
+                    if busy:
+                        idle = self._settings.relay.min_poll_interval_seconds
+                        continue
+                    if loop.time() - self._last_commit_at >= self._settings.wal.heartbeat_seconds:
+                        await self._conn.execute(
+                            self._store.heartbeat, {"prefix": self._heartbeat_prefix}
+                        )
+                        self._last_commit_at = loop.time()
+                        continue
+                    await sleep_unless(stopping, idle)
+                    idle = min(idle * 2, self._settings.relay.poll_interval_seconds)
+                except psycopg.errors.UndefinedTable as exc:
+                    raise SchemaMissing(
+                        f"relay table missing ({exc.diag.message_primary})"
+                    ) from None
+                except psycopg.Error as exc:
+                    self._slot_gone(exc)
+                    if not is_transient(exc):
+                        raise unavailable(exc) from None
+                    await self._outage(exc, stopping, failures)
+                    failures += 1
+                except DatabaseUnavailable as exc:
+                    await self._outage(exc, stopping, failures)
+                    failures += 1
+        finally:
+            await self.close()
+
+    @property
+    def _heartbeat_prefix(self) -> str:
+        return f"{self._settings.wal.prefix}.heartbeat"
+
+    async def _outage(self, exc: BaseException, stopping: asyncio.Event, failures: int) -> None:
+        # A lost connection took the reader lock with it: another relay may read now.
+        self.database.failed(unavailable(exc))
+        self._metrics.errors.labels(type(exc).__name__).inc()
+        await self.close()
+        await sleep_unless(stopping, self._db_retry.backoff(failures))
+
+    async def close(self) -> None:
+        conn, self._conn = self._conn, None
+        if self.reading:
+            log.info("stopped reading the slot", extra={"slot": self._settings.wal.slot})
+        self.reading = False
+        if conn is not None and not conn.closed:
+            with contextlib.suppress(psycopg.Error):
+                await conn.close()
+
+    def _slot_gone(self, exc: psycopg.Error) -> None:
+        """Raise :class:`SlotLost` when ``exc`` says the slot went away under a reader."""
+        sqlstate = exc.sqlstate or ""
+        if not self.reading or sqlstate not in (_DROPPED, _INVALID):
+            return
+        message = exc.diag.message_primary or str(exc)
+        if "replication slot" not in message:
+            return
+        since = lsn_text(self.confirmed) if self.confirmed is not None else None
+        raise SlotLost(self._settings.wal.slot, since, f"{message} [SQLSTATE {sqlstate}]")
+
+    async def _take_slot(self, stopping: asyncio.Event) -> None:
+        """Become the reader, or stand by for one poll interval."""
+        conn = self._conn
+        assert conn is not None
+        slot = self._settings.wal.slot
+        state = await (await conn.execute(self._store.slot_state, {"slot": slot})).fetchone()
+        if state is None:
+            raise SlotMissing(slot)
+        confirmed, wal_status, _, plugin = state
+        if plugin != "pgoutput":
+            raise SlotMissing(slot) from None
+        if wal_status == "lost":
+            raise SlotLost(slot, confirmed, "invalidated: wal_status is 'lost'")
+        got = await (await conn.execute(self._store.try_lock)).fetchone()
+        if not (got and got[0]):
+            await sleep_unless(stopping, self._settings.relay.poll_interval_seconds)
+            return
+        self.reading = True
+        self.confirmed = lsn_int(confirmed) if confirmed else None
+        self._done = (0, -1)
+        log.info("reading the slot", extra={"slot": slot, "confirmed_lsn": confirmed})
+
+    async def _read(self, stopping: asyncio.Event) -> bool:
+        """One read of the slot, published and confirmed; True when it held any event."""
+        conn = self._conn
+        assert conn is not None
+        s = self._settings
+        loop = asyncio.get_running_loop()
+        batch = _Batch()
+        published = False
+        resume = self._done
+        prefix = s.wal.prefix
+        final_lsn, index, ce_time = 0, 0, ""
+        safe: int | None = None  # the furthest transaction end settled in this read
+        async with conn.transaction():
+            cur = conn.cursor("outbox_wal_read", binary=True)
+            await cur.execute(self._store.peek, {"slot": s.wal.slot, "n": s.wal.batch_changes})
+            while records := await cur.fetchmany(FETCH_RECORDS):
+                for (data,) in records:
+                    kind = data[0]
+                    if kind == pgoutput.MESSAGE:
+                        msg = pgoutput.message(data)
+                        if msg.prefix != prefix or not msg.transactional:
+                            continue
+                        for event in wal_codec.decode(msg.content):
+                            position = (final_lsn, index)
+                            index += 1
+                            if position <= resume:
+                                continue  # settled before, in a read of this transaction
+                            row = _row(event, ce_time)
+                            batch.rows.append(row)
+                            batch.positions.append(position)
+                            batch.bytes += len(event.payload or b"")
+                    elif kind == pgoutput.BEGIN:
+                        begin = pgoutput.begin(data)
+                        final_lsn, index, ce_time = begin.final_lsn, 0, begin.commit_time
+                    elif kind == pgoutput.COMMIT:
+                        end = pgoutput.commit(data).end_lsn
+                        self._last_commit_at = loop.time()
+                        if batch.rows:
+                            batch.commit = end
+                        else:
+                            safe = end
+                    if len(batch.rows) >= s.relay.batch_size or batch.bytes >= self._batch_bytes:
+                        published = True
+                        safe = await self._settle(conn, batch, stopping) or safe
+                        batch = _Batch()
+                        if stopping.is_set():
+                            break
+                if stopping.is_set():
+                    break
+            if batch.rows and not stopping.is_set():
+                published = True
+                safe = await self._settle(conn, batch, stopping) or safe
+            await cur.close()
+        if safe is not None and (self.confirmed is None or safe > self.confirmed):
+            await conn.execute(self._store.advance, {"slot": s.wal.slot, "lsn": lsn_text(safe)})
+            self.confirmed = safe
+        return published
+
+    async def _settle(
+        self,
+        conn: psycopg.AsyncConnection[tuple[Any, ...]],
+        batch: _Batch,
+        stopping: asyncio.Event,
+    ) -> int | None:
+        """Publish ``batch`` until every event is acknowledged or moved to the failed table
+        (inside the read's transaction, so before the slot moves past it). Returns the
+        transaction end it completes, if any; with ``stopping`` set it may give up early
+        (nothing is confirmed then: the next reader sends the rest)."""
+        await self._wait_for_table(conn, stopping)
+        rows = batch.rows
+        todo = list(range(len(rows)))
+        while todo:
+            if stopping.is_set():
+                return None
+            sent = [rows[i] for i in todo]
+            loop = asyncio.get_running_loop()
+            started = loop.time()
+            outcome = await self._publisher.publish(sent, started)
+            self._count(sent, outcome.acked, outcome.failed, loop.time() - started)
+            retry: list[int] = []
+            dead: list[tuple[ClaimedRow, int, str]] = []
+            delay = 0.0
+            for j, exc in sorted(outcome.failed.items()):
+                row = sent[j]
+                if isinstance(exc, RecordRejected):
+                    attempts = self._attempts.get(row[CE_ID], 0) + 1
+                    self._attempts[row[CE_ID]] = attempts
+                    if attempts >= self._row_retry.max_attempts:
+                        dead.append((row, attempts, str(exc)))
+                        continue
+                    delay = max(delay, self._row_retry.backoff(attempts))
+                elif isinstance(exc, TopicMissing):
+                    self._publisher.topic_missing(row[TOPIC], MISSING_TOPIC_RECHECK_SECONDS)
+                    delay = max(delay, MISSING_TOPIC_RECHECK_SECONDS)
+                elif isinstance(exc, PartitionUnavailable):
+                    delay = max(delay, exc.delay)
+                elif not isinstance(exc, ProducerBroken):
+                    delay = max(delay, self._kafka.backoff())
+                retry.append(todo[j])
+            if dead:
+                await self._move_to_failed(conn, dead)
+            todo = retry
+            if todo:
+                await sleep_unless(stopping, delay)
+        for row in rows:
+            self._attempts.pop(row[CE_ID], None)
+        self._done = batch.positions[-1]
+        return batch.commit
+
+    def _count(
+        self,
+        rows: Sequence[ClaimedRow],
+        acked: Sequence[int],
+        failed: dict[int, Exception],
+        seconds: float,
+    ) -> None:
+        m = self._metrics
+        m.batch_size.observe(len(rows))
+        m.batch_seconds.observe(seconds)
+        m.published.inc(len(acked))
+        for exc in failed.values():
+            m.errors.labels(type(exc).__name__).inc()
+        if acked:
+            self._kafka.ok()
+            return
+        transient = next(
+            (
+                e
+                for e in failed.values()
+                if not isinstance(e, RecordRejected | TopicMissing | PartitionUnavailable)
+            ),
+            None,
+        )
+        if transient is not None and not isinstance(transient, ProducerBroken):
+            self._kafka.failed(transient)
+
+    async def _wait_for_table(
+        self, conn: psycopg.AsyncConnection[tuple[Any, ...]], stopping: asyncio.Event
+    ) -> None:
+        """Switching from the table source: the outbox table's unpublished rows are older
+        than the events read (they were read after those committed), so they go first.
+        Asked before every batch: one index probe."""
+        told = False
+        while not stopping.is_set():
+            row = await (await conn.execute(self._store.table_pending)).fetchone()
+            if not (row and row[0]):
+                return
+            if not told:
+                log.info("the outbox table holds unpublished rows; they go first")
+                told = True
+            await sleep_unless(stopping, self._settings.relay.poll_interval_seconds)
+
+    async def _move_to_failed(
+        self,
+        conn: psycopg.AsyncConnection[tuple[Any, ...]],
+        dead: list[tuple[ClaimedRow, int, str]],
+    ) -> None:
+        cur = await conn.execute(self._store.new_ids, {"n": len(dead)})
+        ids = [int(r[0]) for r in await cur.fetchall()]
+        lanes = self._settings.lanes
+        rows = []
+        for new_id, (row, _, _) in zip(ids, dead, strict=True):
+            full = list(row)
+            full[0] = new_id
+            key = row[KEY]
+            full[1] = envelope.lane_for(key, uuid.UUID(row[CE_ID]), lanes)
+            full[-1] = envelope.fingerprint(row[TOPIC], key, row[EVENT_TYPE], row[PAYLOAD])
+            rows.append(tuple(full))
+        store = self._relay_store
+        for params in store.restore_chunks(
+            rows, [d[1] for d in dead], [d[2] for d in dead], [0.0] * len(dead)
+        ):
+            await conn.execute(store.move_to_failed, params)
+        for row, attempts, err in dead:
+            log.error(
+                "event moved to failed after %d attempts",
+                attempts,
+                extra={"event_id": row[CE_ID], "topic": row[TOPIC], "error": err},
+            )
+        self._metrics.failed.inc(len(dead))
