@@ -292,20 +292,21 @@ class WalSource:
         await self._wait_for_table(conn, stopping)
         rows = batch.rows
         todo = list(range(len(rows)))
+        alone = False
         while todo:
             if stopping.is_set():
                 return None
             sent = [rows[i] for i in todo]
-            loop = asyncio.get_running_loop()
-            started = loop.time()
-            outcome = await self._publisher.publish(sent, started)
-            self._count(sent, outcome.acked, outcome.failed, loop.time() - started)
+            failed = await self._send(sent, alone)
             retry: list[int] = []
             dead: list[tuple[ClaimedRow, int, str]] = []
             delay = 0.0
-            for j, exc in sorted(outcome.failed.items()):
+            for j, exc in sorted(failed.items()):
                 row = sent[j]
                 if isinstance(exc, RecordRejected):
+                    # Kafka refuses a whole record batch for one record too large for the
+                    # topic: from now on each is tried alone, so only that one fails.
+                    alone = True
                     attempts = self._attempts.get(row[CE_ID], 0) + 1
                     self._attempts[row[CE_ID]] = attempts
                     if attempts >= self._row_retry.max_attempts:
@@ -329,6 +330,27 @@ class WalSource:
             self._attempts.pop(row[CE_ID], None)
         self._done = batch.positions[-1]
         return batch.commit
+
+    async def _send(self, rows: list[ClaimedRow], alone: bool) -> dict[int, Exception]:
+        """Publish ``rows`` (in one call, or one by one in order); what failed, by index."""
+        loop = asyncio.get_running_loop()
+        if not alone:
+            started = loop.time()
+            outcome = await self._publisher.publish(rows, started)
+            self._count(rows, outcome.acked, outcome.failed, loop.time() - started)
+            return outcome.failed
+        failed: dict[int, Exception] = {}
+        for j, row in enumerate(rows):
+            started = loop.time()
+            outcome = await self._publisher.publish([row], started)
+            self._count([row], outcome.acked, outcome.failed, loop.time() - started)
+            if outcome.failed:
+                failed[j] = exc = outcome.failed[0]
+                if not isinstance(exc, RecordRejected):
+                    # Kafka's trouble, not the record's: nothing after it may go first.
+                    failed.update(dict.fromkeys(range(j + 1, len(rows)), exc))
+                    break
+        return failed
 
     def _count(
         self,

@@ -5,7 +5,10 @@ lost under the relay stops it with exit 2 and one line."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import random
+import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
@@ -17,6 +20,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from outbox import TOMBSTONE, Message, Outbox, UnsupportedInWalMode
 from outbox.settings import OutboxSettings
 from outbox.tables import build_tables
+from tests.support.kafka import create_topic
 from tests.support.relay import (
     RelayProcess,
     publish_numbered,
@@ -24,7 +28,7 @@ from tests.support.relay import (
     relay_env,
     verdict,
 )
-from tests.support.wal import confirmed_lsn, wal_env, wal_source
+from tests.support.wal import confirmed_lsn, drop_slot, wal_env, wal_source
 
 pytestmark = pytest.mark.integration
 
@@ -121,3 +125,142 @@ async def test_round_trip_in_key_order_with_every_envelope_field(
     # The slot was confirmed past everything it published.
     after = confirmed_lsn(settings)
     assert before is not None and after is not None and after != before
+
+
+async def test_sigkilled_readers_lose_nothing_and_a_standby_takes_over(
+    engine: Engine,
+    settings: OutboxSettings,
+    new_topic: Callable[..., Awaitable[str]],
+    tmp_path: Path,
+) -> None:
+    topic = await new_topic(partitions=6)
+    # Small batches with a long linger keep every batch in flight for ~100 ms, so most
+    # kills land between send and the slot's advance.
+    env = _env(
+        settings,
+        OUTBOX_RELAY__BATCH_SIZE="50",
+        OUTBOX_RELAY__LINGER_MS="100",
+        OUTBOX_RELAY__POLL_INTERVAL_SECONDS="0.2",
+    )
+    # Three relays: one reads, two stand by (warm), so every kill meets a standby.
+    relays = [RelayProcess(env, tmp_path, f"r{i}") for i in range(3)]
+    ids: list[str] = []
+
+    def produce() -> None:
+        for chunk in range(200):
+            ids.extend(publish_numbered(engine, settings, topic, 100, keys=40, start=chunk * 100))
+            time.sleep(0.08)
+
+    def reader(among: list[RelayProcess]) -> RelayProcess | None:
+        return next((r for r in among if "reading the slot" in r.log()), None)
+
+    producer = threading.Thread(target=produce)
+    producer.start()
+    rng = random.Random(11)
+    kills = takeovers = 0
+    try:
+        while producer.is_alive():
+            await asyncio.sleep(rng.uniform(0.4, 1.0))
+            victim = reader(relays)
+            if victim is None:
+                continue
+            victim.kill()
+            kills += 1
+            others = [r for r in relays if r is not victim]
+            relays[relays.index(victim)] = RelayProcess(env, tmp_path, f"r-{kills}")
+            # A standby takes over (not the relay started in the victim's place).
+            if await asyncio.to_thread(_wait_for, lambda o=others: reader(o) is not None, 30):
+                takeovers += 1
+        producer.join()
+        records = await read_ids(settings.kafka_bootstrap_servers, topic, ids, 120)
+    finally:
+        for r in relays:
+            r.kill()
+    v = verdict(records, ids)
+    print(f"wal chaos: {kills} SIGKILLs, {takeovers} takeovers, {v.duplicates} duplicates")
+    assert len(ids) == 20_000 and kills >= 8 and takeovers == kills
+    assert (v.lost, v.out_of_order, v.unexpected) == (0, 0, 0), v
+
+
+async def test_a_refused_event_goes_to_the_failed_table_and_the_slot_moves_on(
+    engine: Engine,
+    settings: OutboxSettings,
+    kafka_bootstrap: str,
+    tmp_path: Path,
+) -> None:
+    topic = await create_topic(kafka_bootstrap, None, 1, {"max.message.bytes": "2000"})
+    ob = Outbox(settings)
+    with engine.begin() as conn:
+        before = ob.publish_many(
+            conn,
+            [
+                Message(topic=topic, key="a", event_type="t", payload={"n": 1}),
+                Message(topic=topic, key="a", event_type="t", payload=b"x" * 5000),
+                Message(topic=topic, key="a", event_type="t", payload={"n": 2}),
+            ],
+        )
+    env = _env(settings, OUTBOX_RELAY__MAX_ATTEMPTS="2")
+    relay = RelayProcess(env, tmp_path, "wal")
+    try:
+        records = await read_ids(kafka_bootstrap, topic, [str(before[0]), str(before[2])])
+        failed = build_tables(settings).failed
+        found = await asyncio.to_thread(_wait_for, lambda: _count(engine, failed.fullname) == 1, 60)
+        assert found, relay.log()[-3000:]
+        with engine.connect() as conn:
+            row = conn.execute(
+                text(f"SELECT event_id::text, attempts, last_error FROM {failed.fullname}")
+            ).one()
+        # Events after it are not held back: the slot moves on.
+        with engine.begin() as conn:
+            after = ob.publish(conn, topic=topic, key="a", event_type="t", payload={"n": 3})
+        records += await read_ids(kafka_bootstrap, topic, [str(after)])
+        assert relay.alive(), relay.log()[-3000:]
+        code, _ = relay.terminate()
+    finally:
+        relay.kill()
+    assert code == 0
+    assert row[0] == str(before[1]) and row[1] == 2 and "Kafka rejected" in row[2]
+    assert str(before[1]) not in {r.headers["ce_id"].decode() for r in records}
+    assert "moved to failed" in relay.log()
+
+
+def _count(engine: Engine, table: str) -> int:
+    with engine.connect() as conn:
+        return int(conn.execute(text(f"SELECT count(*) FROM {table}")).scalar_one())
+
+
+async def test_a_slot_dropped_under_the_relay_stops_it_with_exit_2_and_one_line(
+    engine: Engine,
+    settings: OutboxSettings,
+    new_topic: Callable[..., Awaitable[str]],
+    tmp_path: Path,
+) -> None:
+    topic = await new_topic()
+    ids = publish_numbered(engine, settings, topic, 100)
+    relay = RelayProcess(_env(settings), tmp_path, "wal")
+    try:
+        await read_ids(settings.kafka_bootstrap_servers, topic, ids)
+        lsn = confirmed_lsn(settings)
+        await asyncio.to_thread(drop_slot, settings, 30)
+        code = await asyncio.to_thread(relay.proc.wait, 60)
+    finally:
+        relay.kill()
+    lines = [line for line in relay.log().splitlines() if "may be lost" in line]
+    assert code == 2, relay.log()[-3000:]
+    assert len(lines) == 1, relay.log()[-3000:]
+    assert f"since LSN {lsn}" in lines[0] and "outbox wal setup" in lines[0]
+    assert "SQLSTATE 42704" in lines[0] and "Traceback" not in relay.log()
+
+
+def test_a_missing_slot_at_start_exits_2_with_what_to_do(
+    settings: OutboxSettings, tmp_path: Path
+) -> None:
+    drop_slot(settings, 5)
+    relay = RelayProcess(_env(settings), tmp_path, "wal")
+    try:
+        code = relay.proc.wait(60)
+    finally:
+        relay.kill()
+    assert code == 2
+    assert "does not exist" in relay.log() and "outbox wal setup" in relay.log()
+    assert "Traceback" not in relay.log()
