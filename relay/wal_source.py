@@ -5,15 +5,16 @@ on the connection that reads; the others stand by, trying the lock every
 ``relay.poll_interval_seconds``, and the first to get it after the reader's connection
 dies takes over from the slot's confirmed position.
 
-A read (``wal.batch_changes`` changes at most, whole transactions) goes through a cursor,
+A read (``wal.batch_changes`` records at most, whole transactions) goes through a cursor,
 a few hundred records at a time, so neither a huge transaction nor large messages are
-held at once: events are published in batches of up to ``relay.batch_size`` events or
-the relay's share of ``relay.max_inflight_bytes``, each waited for until Kafka has
-acknowledged every event in it (or refused it for good: the failed table). Only then is
-the slot advanced, to the end of the last transaction whose events are all settled — so
-a crash re-reads from there (duplicates, never loss: the inbox dedupes). Within this
-process a transaction larger than one batch is resumed after its last settled event
-(the slot can only be confirmed at transaction ends).
+held at once. Its events are split by key over ``relay.pipelines`` streams; each stream
+publishes batch after batch (up to ``relay.batch_size`` events or its share of
+``relay.max_inflight_bytes``), each waited for until Kafka has acknowledged every event in
+it (or refused it for good: the failed table), so a key's events go out in commit order
+while one stream's batch waits for acks and another's is built. The slot is advanced —
+at the end of a read, and at a transaction end every ``ADVANCE_EVERY`` events within a
+large one — only once every stream has settled every event read before that point; a
+crash re-reads from there (duplicates, never loss: the inbox dedupes).
 
 A slot that disappears or is invalidated under the relay (``wal_status = 'lost'``: past
 ``max_slot_wal_keep_size``) stops it at once with :class:`~relay.errors.SlotLost`: the
@@ -51,6 +52,8 @@ log = logging.getLogger("relay.wal")
 
 # Records fetched from the read's cursor at a time.
 FETCH_RECORDS = 500
+# Within a large read, confirm the slot at a transaction end after this many events.
+ADVANCE_EVERY = 50_000
 # How long rows of a missing topic wait before the topic is asked for again.
 MISSING_TOPIC_RECHECK_SECONDS = 5.0
 # SQLSTATEs of a slot gone under the reader: dropped (undefined_object), invalidated
@@ -79,14 +82,27 @@ def _row(event: wal_codec.WalEvent, ce_time: str) -> ClaimedRow:
     )
 
 
-class _Batch:
-    """Events read but not yet published, and the transaction ends they complete."""
+def _observed(task: asyncio.Task[None]) -> None:
+    """A batch's failure is raised where the stream is waited for; one cancelled after a
+    failure elsewhere is read here, so asyncio does not report it as never retrieved."""
+    if not task.cancelled():
+        task.exception()
+
+
+class _Stream:
+    """One key-disjoint share of a read's events: the batch being filled, and the one
+    being published (at most one at a time, so the stream's events stay in order)."""
 
     def __init__(self) -> None:
         self.rows: list[ClaimedRow] = []
-        self.positions: list[tuple[int, int]] = []  # (transaction, index in it) per row
         self.bytes = 0
-        self.commit: int | None = None  # end LSN of the last transaction ended in it
+        self.sending: asyncio.Task[None] | None = None
+
+    async def settled(self) -> None:
+        """Until the batch being published is settled (its failure raised here)."""
+        if self.sending is not None:
+            sending, self.sending = self.sending, None
+            await sending
 
 
 class WalSource:
@@ -112,12 +128,13 @@ class WalSource:
         self._conn: psycopg.AsyncConnection[tuple[Any, ...]] | None = None
         self.reading = False  # holds the reader lock
         self.confirmed: int | None = None  # the slot's confirmed LSN, as last seen or set
-        # The last event settled in this process: (transaction's final LSN, index in it).
-        # A re-read of a transaction only partly settled resumes after it.
-        self._done = (0, -1)
         self._last_commit_at = 0.0  # loop time of the last transaction end read
         self._attempts: dict[str, int] = {}  # event id -> rejections so far
-        self._batch_bytes = max(1, r.max_inflight_bytes // 2)
+        self._streams = max(1, r.pipelines)
+        # Two batches per stream may be around at once (one filling, one in flight).
+        self._batch_bytes = max(1, r.max_inflight_bytes // (2 * self._streams))
+        self._side: psycopg.AsyncConnection[tuple[Any, ...]] | None = None
+        self._cut = False  # a publish given up on stopping: confirm nothing more
 
     @property
     def connected(self) -> bool:
@@ -180,13 +197,15 @@ class WalSource:
         await sleep_unless(stopping, self._db_retry.backoff(failures))
 
     async def close(self) -> None:
-        conn, self._conn = self._conn, None
+        conns = [self._conn, self._side]
+        self._conn = self._side = None
         if self.reading:
             log.info("stopped reading the slot", extra={"slot": self._settings.wal.slot})
         self.reading = False
-        if conn is not None and not conn.closed:
-            with contextlib.suppress(psycopg.Error):
-                await conn.close()
+        for conn in conns:
+            if conn is not None and not conn.closed:
+                with contextlib.suppress(psycopg.Error):
+                    await conn.close()
 
     def _slot_gone(self, exc: psycopg.Error) -> None:
         """Raise :class:`SlotLost` when ``exc`` says the slot went away under a reader."""
@@ -218,7 +237,6 @@ class WalSource:
             return
         self.reading = True
         self.confirmed = lsn_int(confirmed) if confirmed else None
-        self._done = (0, -1)
         log.info("reading the slot", extra={"slot": slot, "confirmed_lsn": confirmed})
 
     async def _read(self, stopping: asyncio.Event) -> bool:
@@ -227,75 +245,93 @@ class WalSource:
         assert conn is not None
         s = self._settings
         loop = asyncio.get_running_loop()
-        batch = _Batch()
-        published = False
-        resume = self._done
-        prefix = s.wal.prefix
-        final_lsn, index, ce_time = 0, 0, ""
-        safe: int | None = None  # the furthest transaction end settled in this read
-        async with conn.transaction():
-            cur = conn.cursor("outbox_wal_read", binary=True)
-            await cur.execute(self._store.peek, {"slot": s.wal.slot, "n": s.wal.batch_changes})
-            while records := await cur.fetchmany(FETCH_RECORDS):
-                for (data,) in records:
-                    kind = data[0]
-                    if kind == pgoutput.MESSAGE:
-                        msg = pgoutput.message(data)
-                        if msg.prefix != prefix or not msg.transactional:
-                            continue
-                        for event in wal_codec.decode(msg.content):
-                            position = (final_lsn, index)
-                            index += 1
-                            if position <= resume:
-                                continue  # settled before, in a read of this transaction
-                            row = _row(event, ce_time)
-                            batch.rows.append(row)
-                            batch.positions.append(position)
-                            batch.bytes += len(event.payload or b"")
-                    elif kind == pgoutput.BEGIN:
-                        begin = pgoutput.begin(data)
-                        final_lsn, index, ce_time = begin.final_lsn, 0, begin.commit_time
-                    elif kind == pgoutput.COMMIT:
-                        end = pgoutput.commit(data).end_lsn
-                        self._last_commit_at = loop.time()
-                        if batch.rows:
-                            batch.commit = end
-                        else:
-                            safe = end
-                    if len(batch.rows) >= s.relay.batch_size or batch.bytes >= self._batch_bytes:
-                        published = True
-                        safe = await self._settle(conn, batch, stopping) or safe
-                        batch = _Batch()
-                        if stopping.is_set():
-                            break
-                if stopping.is_set():
-                    break
-            if batch.rows and not stopping.is_set():
-                published = True
-                safe = await self._settle(conn, batch, stopping) or safe
-            await cur.close()
-        if safe is not None and (self.confirmed is None or safe > self.confirmed):
-            await conn.execute(self._store.advance, {"slot": s.wal.slot, "lsn": lsn_text(safe)})
-            self.confirmed = safe
-        return published
+        streams = [_Stream() for _ in range(self._streams)]
+        prefix, batch_size = s.wal.prefix, s.relay.batch_size
+        events = since_advance = 0
+        ce_time = ""
+        safe: int | None = None  # the furthest transaction end read (settled once flushed)
+        try:
+            async with conn.transaction():
+                cur = conn.cursor("outbox_wal_read", binary=True)
+                await cur.execute(self._store.peek, {"slot": s.wal.slot, "n": s.wal.batch_changes})
+                while not stopping.is_set() and (records := await cur.fetchmany(FETCH_RECORDS)):
+                    for (data,) in records:
+                        kind = data[0]
+                        if kind == pgoutput.MESSAGE:
+                            msg = pgoutput.message(data)
+                            if msg.prefix != prefix or not msg.transactional:
+                                continue
+                            for event in wal_codec.decode(msg.content):
+                                key = event.key
+                                stream = streams[hash(key) % len(streams) if key else 0]
+                                stream.rows.append(_row(event, ce_time))
+                                stream.bytes += len(event.payload or b"")
+                                events += 1
+                                if (
+                                    len(stream.rows) >= batch_size
+                                    or stream.bytes >= self._batch_bytes
+                                ):
+                                    await self._hand_over(stream, stopping)
+                        elif kind == pgoutput.BEGIN:
+                            ce_time = pgoutput.begin(data).commit_time
+                        elif kind == pgoutput.COMMIT:
+                            safe = pgoutput.commit(data).end_lsn
+                            self._last_commit_at = loop.time()
+                            if events - since_advance >= ADVANCE_EVERY:
+                                # A large read: confirm what is settled so far, so a crash
+                                # re-sends less of it.
+                                await self._flush(streams, stopping)
+                                await self._advance(safe, stopping)
+                                since_advance = events
+                await self._flush(streams, stopping)
+                await cur.close()
+        finally:
+            for stream in streams:  # an error or a cancel: nothing left running
+                if stream.sending is not None:
+                    stream.sending.cancel()
+        await self._advance(safe, stopping)
+        return events > 0
 
-    async def _settle(
-        self,
-        conn: psycopg.AsyncConnection[tuple[Any, ...]],
-        batch: _Batch,
-        stopping: asyncio.Event,
-    ) -> int | None:
-        """Publish ``batch`` until every event is acknowledged or moved to the failed table
-        (inside the read's transaction, so before the slot moves past it). Returns the
-        transaction end it completes, if any; with ``stopping`` set it may give up early
-        (nothing is confirmed then: the next reader sends the rest)."""
-        await self._wait_for_table(conn, stopping)
-        rows = batch.rows
+    async def _hand_over(self, stream: _Stream, stopping: asyncio.Event) -> None:
+        """Publish ``stream``'s filled batch once its previous one is settled."""
+        await stream.settled()
+        rows, stream.rows, stream.bytes = stream.rows, [], 0
+        stream.sending = asyncio.ensure_future(self._settle(rows, stopping))
+        stream.sending.add_done_callback(_observed)
+
+    async def _flush(self, streams: list[_Stream], stopping: asyncio.Event) -> None:
+        for stream in streams:
+            if stream.rows:
+                await self._hand_over(stream, stopping)
+        for stream in streams:
+            await stream.settled()
+
+    async def _advance(self, lsn: int | None, stopping: asyncio.Event) -> None:
+        """Confirm ``lsn`` (everything before it is settled), unless stopping cut a
+        publish short: then nothing more is confirmed and the next reader sends the rest."""
+        if (
+            lsn is None
+            or stopping.is_set()
+            or (self.confirmed is not None and lsn <= self.confirmed)
+        ):
+            return
+        assert self._conn is not None
+        await self._conn.execute(
+            self._store.advance, {"slot": self._settings.wal.slot, "lsn": lsn_text(lsn)}
+        )
+        self.confirmed = lsn
+
+    async def _settle(self, rows: list[ClaimedRow], stopping: asyncio.Event) -> None:
+        """Publish ``rows`` until every event is acknowledged or moved to the failed table
+        (committed before the slot can move past it); with ``stopping`` set it may give up
+        early (nothing is confirmed then)."""
+        await self._wait_for_table(stopping)
         todo = list(range(len(rows)))
         alone = False
         while todo:
             if stopping.is_set():
-                return None
+                self._cut = True
+                return
             sent = [rows[i] for i in todo]
             failed = await self._send(sent, alone)
             retry: list[int] = []
@@ -322,14 +358,13 @@ class WalSource:
                     delay = max(delay, self._kafka.backoff())
                 retry.append(todo[j])
             if dead:
-                await self._move_to_failed(conn, dead)
+                await self._move_to_failed(dead)
             todo = retry
             if todo:
                 await sleep_unless(stopping, delay)
-        for row in rows:
-            self._attempts.pop(row[CE_ID], None)
-        self._done = batch.positions[-1]
-        return batch.commit
+        if self._attempts:
+            for row in rows:
+                self._attempts.pop(row[CE_ID], None)
 
     async def _send(self, rows: list[ClaimedRow], alone: bool) -> dict[int, Exception]:
         """Publish ``rows`` (in one call, or one by one in order); what failed, by index."""
@@ -379,12 +414,18 @@ class WalSource:
         if transient is not None and not isinstance(transient, ProducerBroken):
             self._kafka.failed(transient)
 
-    async def _wait_for_table(
-        self, conn: psycopg.AsyncConnection[tuple[Any, ...]], stopping: asyncio.Event
-    ) -> None:
+    async def _side_conn(self) -> psycopg.AsyncConnection[tuple[Any, ...]]:
+        """The autocommit connection of the table check and the failed table: a failed
+        event is committed there before the slot may move past it."""
+        if self._side is None or self._side.closed:
+            self._side = await unprepared_connection(self._settings, "outbox-relay-wal-side")
+        return self._side
+
+    async def _wait_for_table(self, stopping: asyncio.Event) -> None:
         """Switching from the table source: the outbox table's unpublished rows are older
         than the events read (they were read after those committed), so they go first.
         Asked before every batch: one index probe."""
+        conn = await self._side_conn()
         told = False
         while not stopping.is_set():
             row = await (await conn.execute(self._store.table_pending)).fetchone()
@@ -395,11 +436,8 @@ class WalSource:
                 told = True
             await sleep_unless(stopping, self._settings.relay.poll_interval_seconds)
 
-    async def _move_to_failed(
-        self,
-        conn: psycopg.AsyncConnection[tuple[Any, ...]],
-        dead: list[tuple[ClaimedRow, int, str]],
-    ) -> None:
+    async def _move_to_failed(self, dead: list[tuple[ClaimedRow, int, str]]) -> None:
+        conn = await self._side_conn()
         cur = await conn.execute(self._store.new_ids, {"n": len(dead)})
         ids = [int(r[0]) for r in await cur.fetchall()]
         lanes = self._settings.lanes

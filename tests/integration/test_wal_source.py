@@ -146,10 +146,15 @@ async def test_sigkilled_readers_lose_nothing_and_a_standby_takes_over(
     relays = [RelayProcess(env, tmp_path, f"r{i}") for i in range(3)]
     ids: list[str] = []
 
+    kills = takeovers = 0
+
     def produce() -> None:
-        for chunk in range(200):
+        # Until 8 kills have landed mid-stream (at least 20,000 events, at most 60,000).
+        chunk = 0
+        while chunk < 600 and (chunk < 200 or kills < 8):
             ids.extend(publish_numbered(engine, settings, topic, 100, keys=40, start=chunk * 100))
             time.sleep(0.08)
+            chunk += 1
 
     def reader(among: list[RelayProcess]) -> RelayProcess | None:
         return next((r for r in among if "reading the slot" in r.log()), None)
@@ -157,7 +162,6 @@ async def test_sigkilled_readers_lose_nothing_and_a_standby_takes_over(
     producer = threading.Thread(target=produce)
     producer.start()
     rng = random.Random(11)
-    kills = takeovers = 0
     try:
         while producer.is_alive():
             await asyncio.sleep(rng.uniform(0.4, 1.0))
@@ -178,7 +182,7 @@ async def test_sigkilled_readers_lose_nothing_and_a_standby_takes_over(
             r.kill()
     v = verdict(records, ids)
     print(f"wal chaos: {kills} SIGKILLs, {takeovers} takeovers, {v.duplicates} duplicates")
-    assert len(ids) == 20_000 and kills >= 8 and takeovers == kills
+    assert len(ids) >= 20_000 and kills >= 8 and takeovers == kills
     assert (v.lost, v.out_of_order, v.unexpected) == (0, 0, 0), v
 
 

@@ -29,7 +29,7 @@ def _row(**fields: object) -> object:
 def _event(row: object) -> WalEvent:
     r = row
     return WalEvent(
-        r.event_id,  # type: ignore[attr-defined]
+        str(r.event_id),  # type: ignore[attr-defined]
         r.topic,  # type: ignore[attr-defined]
         r.key,  # type: ignore[attr-defined]
         r.event_type,  # type: ignore[attr-defined]
@@ -143,4 +143,4 @@ def test_broken_pgoutput_records_are_typed_errors() -> None:
 def test_event_ids_survive() -> None:
     event_id = uuid.uuid4()
     (event,) = wal_codec.decode(wal_codec.encode([_row(event_id=event_id)]))  # type: ignore[list-item]
-    assert event.event_id == event_id
+    assert event.event_id == str(event_id)
