@@ -12,9 +12,9 @@ publishes batch after batch (up to ``relay.batch_size`` events or its share of
 ``relay.max_inflight_bytes``), each waited for until Kafka has acknowledged every event in
 it (or refused it for good: the failed table), so a key's events go out in commit order
 while one stream's batch waits for acks and another's is built. The slot is advanced —
-at the end of a read, and at a transaction end every ``ADVANCE_EVERY`` events within a
-large one — only once every stream has settled every event read before that point; a
-crash re-reads from there (duplicates, never loss: the inbox dedupes).
+at the end of a read, and at a transaction end every ``CHECKPOINT_SECONDS`` within a long
+one — only once every stream has settled every event read before that point; a crash
+re-reads from there (duplicates, never loss: the inbox dedupes).
 
 A slot that disappears or is invalidated under the relay (``wal_status = 'lost'``: past
 ``max_slot_wal_keep_size``) stops it at once with :class:`~relay.errors.SlotLost`: the
@@ -50,10 +50,11 @@ from relay.wal_store import WalStore, lsn_int, lsn_text
 
 log = logging.getLogger("relay.wal")
 
-# Records fetched from the read's cursor at a time.
-FETCH_RECORDS = 500
-# Within a large read, confirm the slot at a transaction end after this many events.
-ADVANCE_EVERY = 50_000
+# Records fetched from the read's cursor at a time (at most; fewer when they are large).
+FIRST_FETCH, FETCH_RECORDS = 16, 500
+# Within a long read, confirm the slot at a transaction end this often (each advance
+# decodes the WAL from the slot's restart position: not at every transaction).
+CHECKPOINT_SECONDS = 1.0
 # How long rows of a missing topic wait before the topic is asked for again.
 MISSING_TOPIC_RECHECK_SECONDS = 5.0
 # SQLSTATEs of a slot gone under the reader: dropped (undefined_object), invalidated
@@ -135,6 +136,7 @@ class WalSource:
         self._batch_bytes = max(1, r.max_inflight_bytes // (2 * self._streams))
         self._side: psycopg.AsyncConnection[tuple[Any, ...]] | None = None
         self._cut = False  # a publish given up on stopping: confirm nothing more
+        self._table_busy = False  # the outbox table held unpublished rows at the last read
 
     @property
     def connected(self) -> bool:
@@ -247,14 +249,21 @@ class WalSource:
         loop = asyncio.get_running_loop()
         streams = [_Stream() for _ in range(self._streams)]
         prefix, batch_size = s.wal.prefix, s.relay.batch_size
-        events = since_advance = 0
+        events = since_checkpoint = 0
+        checked_at = loop.time()
         ce_time = ""
         safe: int | None = None  # the furthest transaction end read (settled once flushed)
+        checkpoints: list[asyncio.Task[None]] = []
+        self._cut = False
         try:
             async with conn.transaction():
                 cur = conn.cursor("outbox_wal_read", binary=True)
                 await cur.execute(self._store.peek, {"slot": s.wal.slot, "n": s.wal.batch_changes})
-                while not stopping.is_set() and (records := await cur.fetchmany(FETCH_RECORDS)):
+                # The first fetch is small: its records' size sets the next ones'.
+                records = await cur.fetchmany(FIRST_FETCH)
+                if records and await self._table_pending():
+                    records = []  # read again later (not waiting here: a held snapshot)
+                while records and not stopping.is_set():
                     for (data,) in records:
                         kind = data[0]
                         if kind == pgoutput.MESSAGE:
@@ -276,20 +285,23 @@ class WalSource:
                             ce_time = pgoutput.begin(data).commit_time
                         elif kind == pgoutput.COMMIT:
                             safe = pgoutput.commit(data).end_lsn
-                            self._last_commit_at = loop.time()
-                            if events - since_advance >= ADVANCE_EVERY:
-                                # A large read: confirm what is settled so far, so a crash
-                                # re-sends less of it.
-                                await self._flush(streams, stopping)
-                                await self._advance(safe, stopping)
-                                since_advance = events
+                            now = self._last_commit_at = loop.time()
+                            if events > since_checkpoint and now - checked_at >= CHECKPOINT_SECONDS:
+                                checkpoints.append(await self._checkpoint(streams, safe, stopping))
+                                since_checkpoint, checked_at = events, now
+                    # Fewer records per fetch when they are large: a fetch holds about one
+                    # batch's worth of bytes at most (a message may carry up to 256 KiB).
+                    size = sum(len(r[0]) for r in records)
+                    fetch = max(1, min(FETCH_RECORDS, self._batch_bytes * len(records) // size))
+                    records = await cur.fetchmany(fetch)
                 await self._flush(streams, stopping)
                 await cur.close()
+            await asyncio.gather(*checkpoints)
         finally:
-            for stream in streams:  # an error or a cancel: nothing left running
-                if stream.sending is not None:
-                    stream.sending.cancel()
-        await self._advance(safe, stopping)
+            # An error or a cancel: nothing left running.
+            for task in [*checkpoints, *(st.sending for st in streams if st.sending)]:
+                task.cancel()
+        await self._advance(conn, safe)
         return events > 0
 
     async def _hand_over(self, stream: _Stream, stopping: asyncio.Event) -> None:
@@ -306,26 +318,42 @@ class WalSource:
         for stream in streams:
             await stream.settled()
 
-    async def _advance(self, lsn: int | None, stopping: asyncio.Event) -> None:
+    async def _checkpoint(
+        self, streams: list[_Stream], lsn: int, stopping: asyncio.Event
+    ) -> asyncio.Task[None]:
+        """Within a large read, confirm ``lsn`` in the background once every event read
+        before it is settled (so a crash re-sends less), without holding up the read:
+        every stream's events so far are handed over, and the advance waits for the last
+        batch of each (a stream's batches settle in order) on the side connection."""
+        for stream in streams:
+            if stream.rows:
+                await self._hand_over(stream, stopping)
+        last = [st.sending for st in streams if st.sending is not None]
+
+        async def advance() -> None:
+            await asyncio.gather(*last)
+            await self._advance(await self._side_conn(), lsn)
+
+        task = asyncio.ensure_future(advance())
+        task.add_done_callback(_observed)
+        return task
+
+    async def _advance(
+        self, conn: psycopg.AsyncConnection[tuple[Any, ...]], lsn: int | None
+    ) -> None:
         """Confirm ``lsn`` (everything before it is settled), unless stopping cut a
         publish short: then nothing more is confirmed and the next reader sends the rest."""
-        if (
-            lsn is None
-            or stopping.is_set()
-            or (self.confirmed is not None and lsn <= self.confirmed)
-        ):
+        if lsn is None or self._cut or (self.confirmed is not None and lsn <= self.confirmed):
             return
-        assert self._conn is not None
-        await self._conn.execute(
+        await conn.execute(
             self._store.advance, {"slot": self._settings.wal.slot, "lsn": lsn_text(lsn)}
         )
-        self.confirmed = lsn
+        self.confirmed = max(lsn, self.confirmed or 0)
 
     async def _settle(self, rows: list[ClaimedRow], stopping: asyncio.Event) -> None:
         """Publish ``rows`` until every event is acknowledged or moved to the failed table
         (committed before the slot can move past it); with ``stopping`` set it may give up
         early (nothing is confirmed then)."""
-        await self._wait_for_table(stopping)
         todo = list(range(len(rows)))
         alone = False
         while todo:
@@ -421,20 +449,21 @@ class WalSource:
             self._side = await unprepared_connection(self._settings, "outbox-relay-wal-side")
         return self._side
 
-    async def _wait_for_table(self, stopping: asyncio.Event) -> None:
-        """Switching from the table source: the outbox table's unpublished rows are older
-        than the events read (they were read after those committed), so they go first.
-        Asked before every batch: one index probe."""
+    async def _table_pending(self) -> bool:
+        """Switching from the table source: whether the outbox table holds unpublished rows,
+        which go before the events of a read. Asked once per read, after its first records
+        came: every event in it committed before the read began, so a row committed after
+        this check is newer than all of them."""
         conn = await self._side_conn()
-        told = False
-        while not stopping.is_set():
-            row = await (await conn.execute(self._store.table_pending)).fetchone()
-            if not (row and row[0]):
-                return
-            if not told:
+        row = await (await conn.execute(self._store.table_pending)).fetchone()
+        pending = bool(row and row[0])
+        if pending != self._table_busy:
+            self._table_busy = pending
+            if pending:
                 log.info("the outbox table holds unpublished rows; they go first")
-                told = True
-            await sleep_unless(stopping, self._settings.relay.poll_interval_seconds)
+            else:
+                log.info("the outbox table is drained; publishing from the slot")
+        return pending
 
     async def _move_to_failed(self, dead: list[tuple[ClaimedRow, int, str]]) -> None:
         conn = await self._side_conn()

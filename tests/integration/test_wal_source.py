@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import re
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
@@ -23,8 +24,10 @@ from outbox.tables import build_tables
 from tests.support.kafka import create_topic
 from tests.support.relay import (
     RelayProcess,
+    peak_rss_mib,
     publish_numbered,
     read_ids,
+    read_slim,
     relay_env,
     verdict,
 )
@@ -134,11 +137,11 @@ async def test_sigkilled_readers_lose_nothing_and_a_standby_takes_over(
     tmp_path: Path,
 ) -> None:
     topic = await new_topic(partitions=6)
-    # Small batches with a long linger keep every batch in flight for ~100 ms, so most
-    # kills land between send and the slot's advance.
+    # Small batches with a linger keep batches in flight, so kills land between a send
+    # and the slot's advance; one reader still keeps up with the producer.
     env = _env(
         settings,
-        OUTBOX_RELAY__BATCH_SIZE="50",
+        OUTBOX_RELAY__BATCH_SIZE="200",
         OUTBOX_RELAY__LINGER_MS="100",
         OUTBOX_RELAY__POLL_INTERVAL_SECONDS="0.2",
     )
@@ -164,7 +167,7 @@ async def test_sigkilled_readers_lose_nothing_and_a_standby_takes_over(
     rng = random.Random(11)
     try:
         while producer.is_alive():
-            await asyncio.sleep(rng.uniform(0.4, 1.0))
+            await asyncio.sleep(rng.uniform(1.0, 2.5))
             victim = reader(relays)
             if victim is None:
                 continue
@@ -181,9 +184,22 @@ async def test_sigkilled_readers_lose_nothing_and_a_standby_takes_over(
         for r in relays:
             r.kill()
     v = verdict(records, ids)
-    print(f"wal chaos: {kills} SIGKILLs, {takeovers} takeovers, {v.duplicates} duplicates")
+    # Readers started from ever later confirmed positions: the slot advanced between kills.
+    starts = await asyncio.to_thread(_start_positions, tmp_path)
+    print(
+        f"wal chaos: {kills} SIGKILLs, {takeovers} takeovers, {v.duplicates} duplicates, "
+        f"{len(starts)} start positions"
+    )
+    assert len(starts) > kills // 2
+    assert v.duplicates > 0  # some kill did land between a send and the slot's advance
     assert len(ids) >= 20_000 and kills >= 8 and takeovers == kills
     assert (v.lost, v.out_of_order, v.unexpected) == (0, 0, 0), v
+
+
+def _start_positions(logs: Path) -> set[str]:
+    """The slot positions the relays logged when they began reading."""
+    text = "".join(p.read_text(errors="replace") for p in logs.glob("r*.log"))
+    return set(re.findall(r"confirmed_lsn=(\S+)", text))
 
 
 async def test_a_refused_event_goes_to_the_failed_table_and_the_slot_moves_on(
@@ -268,3 +284,78 @@ def test_a_missing_slot_at_start_exits_2_with_what_to_do(
     assert code == 2
     assert "does not exist" in relay.log() and "outbox wal setup" in relay.log()
     assert "Traceback" not in relay.log()
+
+
+async def test_a_50000_event_transaction_drains_with_bounded_relay_memory(
+    engine: Engine,
+    settings: OutboxSettings,
+    new_topic: Callable[..., Awaitable[str]],
+    tmp_path: Path,
+) -> None:
+    # 50,000 events of ~4 KB (~200 MB) committed in ONE transaction: pgoutput hands the
+    # transaction over whole, so the relay reads it through its cursor a batch's worth of
+    # bytes at a time, and its streams hold at most two batches each.
+    topic = await new_topic(partitions=6)
+    ob = Outbox(settings)
+    pad = "p" * 4000
+
+    def commit() -> list[str]:
+        with engine.begin() as conn:
+            return [
+                str(i)
+                for i in ob.publish_many(
+                    conn,
+                    (
+                        Message(
+                            topic=topic,
+                            key=f"k{n % 40}",
+                            event_type="test.large",
+                            payload={"key": f"k{n % 40}", "seq": n, "pad": pad},
+                        )
+                        for n in range(50_000)
+                    ),
+                )
+            ]
+
+    ids = await asyncio.to_thread(commit)
+    relay = RelayProcess(_env(settings), tmp_path, "huge")
+    try:
+        records = await read_slim(settings.kafka_bootstrap_servers, topic, ids, 300)
+        peak = peak_rss_mib(relay.pid)
+        code, _ = relay.terminate()
+    finally:
+        relay.kill()
+    print(f"50,000-event transaction (~200 MB): relay peak RSS {peak:.0f} MiB")
+    v = verdict(records, ids)
+    assert (v.lost, v.out_of_order, v.unexpected) == (0, 0, 0), v
+    assert peak < 300, f"relay peak RSS {peak:.0f} MiB"
+    assert code == 0, relay.log()[-3000:]
+
+
+async def test_switching_from_table_to_wal_under_a_stream_keeps_every_key_in_order(
+    engine: Engine,
+    settings: OutboxSettings,
+    new_topic: Callable[..., Awaitable[str]],
+    tmp_path: Path,
+) -> None:
+    # A table relay slowed down (small batches, long linger) has a backlog when the
+    # producer switches to the WAL: the WAL relay, running all along, must hold the WAL
+    # events until the table's older ones are out, or keys would go out of order.
+    topic = await new_topic(partitions=4)
+    table = settings.model_copy(update={"source": "table"})
+    slow = {"OUTBOX_RELAY__BATCH_SIZE": "20", "OUTBOX_RELAY__LINGER_MS": "50"}
+    table_relay = RelayProcess(relay_env(table, **slow), tmp_path, "table")
+    wal_relay = RelayProcess(_env(settings), tmp_path, "wal")
+    ids: list[str] = []
+    try:
+        for chunk in range(40):  # table mode: 4,000 events in 40 transactions
+            ids.extend(publish_numbered(engine, table, topic, 100, keys=40, start=chunk * 100))
+        for chunk in range(40, 80):  # switched: the next 4,000 go to the WAL
+            ids.extend(publish_numbered(engine, settings, topic, 100, keys=40, start=chunk * 100))
+        records = await read_ids(settings.kafka_bootstrap_servers, topic, ids, 180)
+        assert "they go first" in wal_relay.log(), wal_relay.log()[-3000:]
+    finally:
+        table_relay.kill()
+        wal_relay.kill()
+    v = verdict(records, ids)
+    assert (v.lost, v.out_of_order, v.unexpected) == (0, 0, 0), v
