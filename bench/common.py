@@ -54,9 +54,12 @@ async def create_topic(
     partitions: int,
     config: dict[str, str] | None = None,
     prefix: str = "bench",
+    suffix: str = "",
 ) -> str:
-    """A uniquely named topic (the broker never auto-creates them)."""
-    name = f"{prefix}-{uuid.uuid4().hex[:8]}"
+    """A uniquely named topic (the broker never auto-creates them). A ``suffix`` keeps the
+    name out of the test sessions' scratch pattern (tests/support/kafka.py), whose clean-up
+    deletes every topic of that shape created while a session ran, a bench's included."""
+    name = f"{prefix}-{uuid.uuid4().hex[:8]}{suffix}"
     admin = kafka_admin(settings)
     await admin.start()
     try:

@@ -54,7 +54,7 @@ log = logging.getLogger("relay.wal")
 FIRST_FETCH, FETCH_RECORDS = 16, 500
 # Within a long read, confirm the slot at a transaction end this often (each advance
 # decodes the WAL from the slot's restart position: not at every transaction).
-CHECKPOINT_SECONDS = 1.0
+CHECKPOINT_SECONDS = 5.0
 # How long rows of a missing topic wait before the topic is asked for again.
 MISSING_TOPIC_RECHECK_SECONDS = 5.0
 # SQLSTATEs of a slot gone under the reader: dropped (undefined_object), invalidated
@@ -260,7 +260,9 @@ class WalSource:
                 cur = conn.cursor("outbox_wal_read", binary=True)
                 await cur.execute(self._store.peek, {"slot": s.wal.slot, "n": s.wal.batch_changes})
                 # The first fetch is small: its records' size sets the next ones'.
+                started = loop.time()
                 records = await cur.fetchmany(FIRST_FETCH)
+                peeked = loop.time()
                 if records and await self._table_pending():
                     records = []  # read again later (not waiting here: a held snapshot)
                 while records and not stopping.is_set():
@@ -301,7 +303,17 @@ class WalSource:
             # An error or a cancel: nothing left running.
             for task in [*checkpoints, *(st.sending for st in streams if st.sending)]:
                 task.cancel()
+        read = loop.time()
         await self._advance(conn, safe)
+        if events:
+            log.debug(
+                "read %d events in %.3f s (decoding until the first record %.3f s, advance"
+                " %.3f s)",
+                events,
+                read - started,
+                peeked - started,
+                loop.time() - read,
+            )
         return events > 0
 
     async def _hand_over(self, stream: _Stream, stopping: asyncio.Event) -> None:
