@@ -18,7 +18,7 @@ from typing import Any
 import typer
 from typer.core import TyperGroup
 
-from cli import config, console, consume, db, dlq, effects, ops, relay, topics
+from cli import config, console, consume, db, dlq, effects, ops, relay, topics, wal
 from cli.context import configure_logging, describe, error, run
 from outbox.settings import load_settings
 
@@ -76,6 +76,7 @@ app.add_typer(effects.app, name="effects")
 app.add_typer(ops.app)  # lag, doctor, status, cleanup
 app.add_typer(relay.app)  # relay, failed list|retry|purge
 app.add_typer(topics.app, name="topics")
+app.add_typer(wal.app, name="wal")
 
 
 class LogLevel(StrEnum):

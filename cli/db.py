@@ -6,6 +6,7 @@ from logging import WARNING
 
 import typer
 
+from cli import wal
 from cli.context import notice, out, run, settings_of
 from outbox import migrate
 from outbox.roles import roles_sql
@@ -15,12 +16,15 @@ app = typer.Typer(help="Create and inspect the framework's tables.", no_args_is_
 
 @app.command()
 def upgrade(ctx: typer.Context, revision: str = typer.Argument("head")) -> None:
-    """Create or update the outbox tables (idempotent)."""
+    """Create or update the outbox tables (idempotent); with OUTBOX_SOURCE=wal also the
+    WAL source's publication and replication slot (as `outbox wal setup`)."""
     settings = settings_of(ctx)
     notice(f"migrating {settings.safe_database_url} (schema {settings.db_schema})")
     run(lambda: migrate.upgrade(settings, revision, progress=notice))
     at = run(lambda: migrate.current(settings))
     notice(f"at revision {at}", style="green", revision=at)
+    if settings.source == "wal":
+        wal.set_up(settings)
 
 
 @app.command()

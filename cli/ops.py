@@ -28,8 +28,10 @@ from outbox.daemon import stop_on_signals
 from outbox.db import async_engine
 from outbox.errors import ConfigurationError
 from outbox.ops.cleanup import Retention, TargetResult, run_cleanup
-from outbox.ops.doctor import DoctorOptions, Finding, diagnose, exit_code, to_dicts
-from outbox.ops.lag import LagReport, RateTracker, Thresholds, collect
+from outbox.ops.doctor import DoctorOptions, diagnose, exit_code, to_dicts
+from outbox.ops.findings import Finding
+from outbox.ops.lag import LagReport, RateTracker, Thresholds, WalLag, collect
+from outbox.ops.wal_health import mib
 from outbox.settings import OutboxSettings
 
 app = typer.Typer()
@@ -146,6 +148,8 @@ def _render_lag(report: LagReport, breaches: list[str]) -> Group:
     shown: list[Any] = [topics, relays, groups]
     if report.vacuum is not None:
         shown.append(Text(_vacuum_line(report), style="yellow" if _snapshot_held(report) else ""))
+    if report.wal is not None:
+        shown.append(_wal_line(report.wal))
     if report.kafka_error:
         shown.append(Text(f"kafka: {report.kafka_error}", style="yellow"))
     shown.extend(Text(f"THRESHOLD EXCEEDED: {b}", style="bold red") for b in breaches)
@@ -171,6 +175,29 @@ def _vacuum_line(report: LagReport) -> str:
     return f"vacuum: outbox {dead} dead rows; oldest snapshot: {held}"
 
 
+def _wal_line(wal: WalLag, label: str = "wal slot") -> Text:
+    """The WAL source's slot on one line, red when it is missing, unreserved or lost."""
+    if not wal.exists:
+        return Text(f"{label} {wal.slot}: MISSING (`outbox wal setup`)", style="bold red")
+    lag = _age(wal.lag_seconds) if wal.lag_seconds is not None else f"? ({wal.lag_unknown})"
+    bound = (
+        "unbounded (max_slot_wal_keep_size -1)"
+        if wal.max_slot_wal_keep_size is not None and wal.max_slot_wal_keep_size < 0
+        else f"{mib(wal.safe_wal_size)} more before invalidation"
+    )
+    reader = (
+        f"read by pid {', '.join(map(str, wal.reading_pids))}"
+        if wal.reading_pids
+        else "read by no relay"
+    )
+    text = (
+        f"{label} {wal.slot}: {wal.wal_status}, lag {lag}, retains {mib(wal.retained_bytes)} "
+        f"({mib(wal.unconfirmed_bytes)} unconfirmed, confirmed to {wal.confirmed_flush_lsn}); "
+        f"{bound}; {reader}, {len(wal.standby_pids)} standing by"
+    )
+    return Text(text, style="bold red" if wal.wal_status in ("unreserved", "lost") else "")
+
+
 def _lag_json(report: LagReport, breaches: list[str]) -> str:
     return json.dumps({**report.to_dict(), "breaches": breaches})
 
@@ -185,7 +212,8 @@ def lag(
         None,
         "--max-age",
         min=0,
-        help="Exit 3 when the oldest due pending event is older (seconds).",
+        help="Exit 3 when the oldest due pending event (WAL source: the oldest transaction "
+        "the slot has not confirmed) is older (seconds).",
     ),
     max_pending: int | None = typer.Option(
         None, "--max-pending", min=0, help="Exit 3 when more events are pending."
@@ -195,6 +223,12 @@ def lag(
         "--max-consumer-lag",
         min=0,
         help="Exit 3 when a consumer group lags by more records.",
+    ),
+    max_wal_bytes: int | None = typer.Option(
+        None,
+        "--max-wal-bytes",
+        min=0,
+        help="WAL source: exit 3 when the slot retains more WAL (bytes).",
     ),
     groups: list[str] = typer.Option([], "--group", help="Consumer group to inspect (repeatable)."),
     discover: bool = typer.Option(
@@ -213,9 +247,10 @@ def lag(
         "publish rate (0: no rate).",
     ),
 ) -> None:
-    """Pending events, their age, publish rate, consumer lag, dead letters and relays."""
+    """Pending events, their age, publish rate, consumer lag, dead letters and relays; with
+    the WAL source, its slot's retained WAL and lag in seconds."""
     settings = settings_of(ctx)
-    thresholds = Thresholds(max_age, max_pending, max_consumer_lag)
+    thresholds = Thresholds(max_age, max_pending, max_consumer_lag, max_wal_bytes)
     rates = RateTracker()
 
     async def snapshot(engine: Any) -> LagReport:
@@ -379,6 +414,7 @@ def status(
             "totals": totals,
             "groups": groups,
             "vacuum": report.to_dict()["vacuum"],
+            "wal": report.to_dict()["wal"],
             "problems": problems,
             "exit_code": code,
         }
@@ -395,6 +431,8 @@ def status(
         f"{_vacuum_line(report).replace('vacuum: ', 'vacuum   ', 1)}",
         highlight=False,
     )
+    if report.wal is not None:
+        out.print(_wal_line(report.wal, label="wal      slot"), highlight=False)
     for g in report.groups:
         out.print(
             f"consumer {g.group}: lag {'unknown' if g.total_lag is None else g.total_lag}, "

@@ -140,3 +140,34 @@ class TopicMissing(ConfigurationError):
             "(the framework never relies on topic auto-creation)"
         )
         self.topic = topic
+
+
+class WalSetupError(ConfigurationError):
+    """The WAL source (``source = "wal"``) cannot be set up or read as configured.
+
+    ``sql`` is the script an administrator can run to fix it (empty when no SQL can: a
+    server setting that needs a restart), printed by ``outbox wal setup`` instead of a
+    traceback. Daemons and one-shot commands exit 2.
+    """
+
+    def __init__(self, message: str, sql: str = "", sqlstate: str | None = None) -> None:
+        super().__init__(message)
+        self.sql = sql
+        self.sqlstate = sqlstate
+
+
+class WalPrivilegeMissing(WalSetupError):
+    """This role may not create the publication (it needs CREATE on the database) or the
+    replication slot (REPLICATION or superuser; SQLSTATE 42501): ``sql`` is what an
+    administrator runs instead."""
+
+
+class WalLevelNotLogical(WalSetupError):
+    """The server's ``wal_level`` is not ``logical``: logical decoding is impossible until
+    it is set and PostgreSQL restarted."""
+
+
+class WalSlotMismatch(WalSetupError):
+    """A replication slot of the configured name exists but is not a logical ``pgoutput``
+    slot of this database (physical, another plugin, or another database: slot names are
+    server-wide)."""

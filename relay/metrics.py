@@ -10,8 +10,17 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from outbox.ops.wal_health import WalGauges
+
 # The classes a relay counts in outbox_relay_errors_total (lane connection failures).
 ERROR_CLASSES = ("OperationalError", "InterfaceError", "DatabaseUnavailable")
+WAL_GAUGES = {
+    "retained_bytes": "WAL the server keeps for the slot (current LSN - restart_lsn).",
+    "unconfirmed_bytes": "WAL past the slot's confirmed position (current - confirmed_flush_lsn).",
+    "lag_seconds": "Age of the oldest committed transaction the slot has not confirmed.",
+    "slot_status": "wal_status: 0 reserved, 1 extended, 2 unreserved, 3 lost; -1 no slot.",
+    "safe_bytes": "WAL the slot may still fall behind before invalidation (-1: unbounded).",
+}
 
 
 class RelayMetrics:
@@ -86,12 +95,21 @@ class RelayMetrics:
             registry=r,
         )
         self.horizon_age.set(-1)
+        self.wal = {  # the WAL source's slot (outbox.ops.wal_health.WalGauges); -1: unknown
+            name: Gauge(f"outbox_relay_wal_{name}", text, registry=r)
+            for name, text in WAL_GAUGES.items()
+        }
+        self.set_wal(WalGauges.of(None, None))
         self.cursor_resets = Counter(
             "outbox_relay_claim_cursor_resets",
             "Lane cursors forgotten because a pending row appeared below one (a writer "
             "outside the outbox's rules: an explicit old id, a row marked unpublished by hand).",
             registry=r,
         )
+
+    def set_wal(self, values: WalGauges) -> None:
+        for name, gauge in self.wal.items():
+            gauge.set(getattr(values, name))
 
     def status(self) -> dict[str, float]:
         """The figures of the relay's periodic status line, read back from the metrics."""

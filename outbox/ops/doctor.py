@@ -11,7 +11,9 @@ every topic with pending rows (or named by the caller) present with the expected
 count; dead-letter topics that take smaller records than their source topics; relay
 heartbeats and lane coverage; clock skew between this host and the database; what each
 database URL goes through (PostgreSQL itself, or a pooler in session or transaction mode)
-and which components may use it.
+and which components may use it; in WAL mode (or when its slot exists) the WAL source:
+``wal_level``, the slot and its ``wal_status``, how much more WAL it may hold back, the
+publication, whether a relay reads it (outbox/ops/wal_health.py).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
-from typing import Any, Literal
+from typing import Any
 
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
@@ -33,31 +35,24 @@ from sqlalchemy.schema import CreateIndex
 from outbox import migrate
 from outbox.db import translated_errors
 from outbox.errors import OutboxError
+from outbox.ops.findings import Finding, Level
 from outbox.ops.kafka_probe import KafkaProbe
 from outbox.ops.lag import default_stale_after
 from outbox.ops.record_limits import header_room
 from outbox.ops.store import OpsStore
 from outbox.ops.vacuum import Holder, redact, vacuum_state
+from outbox.ops.wal_health import findings as wal_findings
+from outbox.ops.wal_slot import read_state
 from outbox.poolers import SessionProbe, probe_session
 from outbox.settings import OutboxSettings
 from outbox.tables import Tables, build_tables, hot_tables, set_storage_sql, storage_differences
 
-Level = Literal["ok", "warn", "error"]
 _DIALECT = postgresql.dialect()  # type: ignore[no-untyped-call]
 # A claim-index entry (lane smallint + id bigint + tuple header) is ~24 bytes; allow a
 # generous factor before calling the index bloated, and ignore small indexes entirely.
 _CLAIM_ENTRY_BYTES = 24
 _CLAIM_BLOAT_FACTOR = 20
 _CLAIM_BLOAT_MIN_BYTES = 64 * 1024 * 1024
-
-
-@dataclass(frozen=True)
-class Finding:
-    check: str
-    level: Level
-    what: str
-    action: str | None = None
-    details: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -267,6 +262,26 @@ class _Doctor:
             who = "the relay" if name.startswith("relay") else "consumers"
             self.add("pooler", "ok", f"{name}: {probe.describe()}; {who} may use it", **details)
 
+    async def wal(self, conn: AsyncConnection) -> None:
+        """The WAL source, in WAL mode or whenever its slot exists (one left over from a
+        switch back to the table source holds WAL for nobody)."""
+        state = await conn.run_sync(lambda sync: read_state(sync, self.settings))
+        if self.settings.source == "wal" or state.slot is not None:
+            self.findings += wal_findings(state, self.settings)
+
+    def wal_switch(self, pending: int) -> None:
+        """In WAL mode, rows left in the outbox table come first: the WAL relay publishes
+        nothing from the slot until a table relay has drained them (switching, docs/howto)."""
+        if self.settings.source == "wal" and pending:
+            self.add(
+                "wal_switch",
+                "warn",
+                f"{pending} events are still pending in the outbox table: the WAL relay "
+                "publishes nothing from the slot until they are gone",
+                "keep a relay with --source table running until `outbox lag` shows 0 pending",
+                pending=pending,
+            )
+
     async def indexes(self, conn: AsyncConnection, pending: int) -> None:
         declared = {i.name: i for t in self.tables.metadata.sorted_tables for i in t.indexes}
         claim = f"{self.tables.events.name}_claim_idx"
@@ -442,6 +457,8 @@ class _Doctor:
             self.add("bloat", "ok", "dead tuple ratios are fine")
 
     async def relays(self, conn: AsyncConnection, pending: int) -> None:
+        if self.settings.source == "wal" and not pending:
+            return  # WAL relays are not lane owners: check wal_reader says whether one reads
         stale_after = self.options.stale_relay_seconds or default_stale_after(self.settings)
         owned: set[int] = set()
         live = 0
@@ -639,8 +656,10 @@ async def diagnose(
                 await doctor.clock(conn)
                 await doctor.tls(conn)
                 await doctor.idle_transactions(conn)
+                await doctor.wal(conn)
                 if have_tables:
                     pending = int((await conn.execute(doctor.store.pending_total)).scalar_one())
+                    doctor.wal_switch(pending)
                     await doctor.indexes(conn, pending)
                     await doctor.storage(conn)
                     await doctor.snapshot(conn)

@@ -24,6 +24,13 @@ What each figure means, and where it comes from:
   no live relay owns: their rows are not being published.
 * vacuum - the outbox's dead rows (``pg_stat_user_tables.n_dead_tup``) and the oldest
   transaction, snapshot or slot holding back VACUUM in the database (outbox/ops/vacuum.py).
+* wal - the WAL source's slot (in WAL mode, or whenever the slot exists): ``retained_bytes``
+  the WAL the server keeps for it (current LSN - ``restart_lsn``), ``unconfirmed_bytes`` the
+  WAL past its confirmed position (current LSN - ``confirmed_flush_lsn``), ``wal_status``,
+  ``safe_wal_size``, and ``lag_seconds``: the age, by the database clock, of the oldest
+  committed transaction the slot has not confirmed, read from a temporary copy of the slot
+  (outbox/ops/wal_slot.py; needs REPLICATION, else ``lag_unknown`` says why); the WAL
+  relays connected to the database, the one reading (``reading_pids``) and those standing by.
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ from outbox.errors import OutboxError
 from outbox.ops.kafka_probe import KafkaProbe
 from outbox.ops.store import OpsStore
 from outbox.ops.vacuum import VacuumState, vacuum_state
+from outbox.ops.wal_slot import LagProbe, WalState, lag_seconds, read_state
 from outbox.settings import OutboxSettings
 from outbox.tables import build_tables
 
@@ -106,6 +114,47 @@ class RelayInfo:
 
 
 @dataclass
+class WalLag:
+    slot: str
+    exists: bool
+    wal_status: str | None = None
+    active: bool | None = None
+    retained_bytes: int | None = None
+    unconfirmed_bytes: int | None = None
+    safe_wal_size: int | None = None  # None: unbounded
+    max_slot_wal_keep_size: int | None = None  # -1: unbounded
+    confirmed_flush_lsn: str | None = None
+    lag_seconds: float | None = None
+    lag_unknown: str | None = None  # why lag_seconds is None
+    reading_pids: list[int] = field(default_factory=list)  # the WAL relay reading the slot
+    standby_pids: list[int] = field(default_factory=list)  # WAL relays standing by
+
+    @classmethod
+    def of(cls, state: WalState, settings: OutboxSettings) -> WalLag:
+        slot = state.slot
+        if slot is None:
+            return cls(settings.wal.slot, exists=False, lag_unknown="no such slot")
+        lag = LagProbe(None, "the slot is lost")
+        if slot.wal_status != "lost":
+            lag = lag_seconds(settings)
+        return cls(
+            slot=slot.slot_name,
+            exists=True,
+            wal_status=slot.wal_status,
+            active=slot.active,
+            retained_bytes=slot.retained_bytes,
+            unconfirmed_bytes=slot.unconfirmed_bytes,
+            safe_wal_size=slot.safe_wal_size,
+            max_slot_wal_keep_size=state.server.max_slot_wal_keep_size,
+            confirmed_flush_lsn=slot.confirmed_flush_lsn,
+            lag_seconds=lag.seconds,
+            lag_unknown=lag.reason,
+            reading_pids=list(state.reading_pids),
+            standby_pids=list(state.standby_pids),
+        )
+
+
+@dataclass
 class LagReport:
     taken_at: datetime  # database clock
     mode: Literal["delete", "keep"]
@@ -115,6 +164,7 @@ class LagReport:
     relays: list[RelayInfo] = field(default_factory=list)
     kafka_error: str | None = None
     vacuum: VacuumState | None = None
+    wal: WalLag | None = None  # in WAL mode, or when the slot exists
 
     @property
     def pending(self) -> int:
@@ -169,6 +219,8 @@ class LagReport:
             "max_consumer_lag": self.consumer_lag,
             "outbox_dead_rows": self.vacuum.dead_rows if self.vacuum else None,
             "oldest_snapshot_seconds": holder.seconds if holder else None,
+            "wal_lag_seconds": self.wal.lag_seconds if self.wal else None,
+            "wal_retained_bytes": self.wal.retained_bytes if self.wal else None,
         }
         return data
 
@@ -180,12 +232,15 @@ class Thresholds:
     max_age_seconds: float | None = None
     max_pending: int | None = None
     max_consumer_lag: int | None = None
+    max_wal_bytes: int | None = None
 
     def breaches(self, report: LagReport) -> list[str]:
         found = []
         age = report.oldest_pending_age_seconds
         if self.max_age_seconds is not None and age is not None and age > self.max_age_seconds:
             found.append(f"oldest pending event is {age:.1f}s old (limit {self.max_age_seconds}s)")
+        if report.wal is not None:
+            found += self._wal_breaches(report.wal)
         if self.max_pending is not None and report.pending > self.max_pending:
             found.append(f"{report.pending} events pending (limit {self.max_pending})")
         if self.max_consumer_lag is not None:
@@ -200,6 +255,29 @@ class Thresholds:
                         f"consumer group {g.group} lags {lag} records "
                         f"(limit {self.max_consumer_lag})"
                     )
+        return found
+
+    def _wal_breaches(self, wal: WalLag) -> list[str]:
+        """The slot's lag against --max-age, its retained WAL against --max-wal-bytes; a
+        figure that could not be measured under a limit is a breach, never a pass."""
+        found = []
+        limit = self.max_age_seconds
+        if limit is not None:
+            if wal.lag_seconds is None:
+                found.append(f"WAL slot {wal.slot}: lag unknown ({wal.lag_unknown})")
+            elif wal.lag_seconds > limit:
+                found.append(
+                    f"WAL slot {wal.slot}: oldest unconfirmed transaction is "
+                    f"{wal.lag_seconds:.1f}s old (limit {limit}s)"
+                )
+        if self.max_wal_bytes is not None:
+            if wal.retained_bytes is None:
+                found.append(f"WAL slot {wal.slot}: retained WAL unknown (missing or lost)")
+            elif wal.retained_bytes > self.max_wal_bytes:
+                found.append(
+                    f"WAL slot {wal.slot} retains {wal.retained_bytes} bytes of WAL "
+                    f"(limit {self.max_wal_bytes})"
+                )
         return found
 
 
@@ -247,6 +325,7 @@ def _end_totals(offsets: dict[TopicPartition, int]) -> dict[str, int]:
 
 async def _database_part(
     conn: AsyncConnection,
+    settings: OutboxSettings,
     store: OpsStore,
     report: LagReport,
     stale_after: float,
@@ -283,6 +362,10 @@ async def _database_part(
             )
         )
     report.vacuum = await vacuum_state(conn, store)
+    state = await conn.run_sync(lambda sync: read_state(sync, settings))
+    if settings.source == "wal" or state.slot is not None:
+        # The probe opens a connection of its own (a temporary slot, dropped at once).
+        report.wal = await asyncio.to_thread(WalLag.of, state, settings)
     consumers: list[str] = []
     if discover_groups:
         consumers = list((await conn.execute(store.consumer_names)).scalars())
@@ -314,7 +397,7 @@ async def collect(
                 lanes=settings.lanes,
             )
             by_topic, consumers, dead = await _database_part(
-                conn, store, report, stale_after, discover_groups
+                conn, settings, store, report, stale_after, discover_groups
             )
     for name in topics:
         by_topic.setdefault(name, TopicLag(name))

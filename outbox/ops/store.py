@@ -143,6 +143,80 @@ _OWN_TLS = text(
 )
 
 
+# -- the WAL source's publication and slot (outbox/ops/wal_slot.py) -----------------------
+# Plain SQL with named parameters only (slot and publication names are values here; the
+# one statement that needs an identifier, CREATE PUBLICATION, is built by wal_slot with
+# the identifier quoted). The relay may run WAL_SLOT through psycopg with %(slot)s.
+WAL_SETTINGS = text(
+    """
+    SELECT current_setting('wal_level') AS wal_level,
+           CASE current_setting('max_slot_wal_keep_size') WHEN '-1' THEN -1
+                ELSE pg_size_bytes(current_setting('max_slot_wal_keep_size')) END
+             AS max_slot_wal_keep_size,
+           current_database() AS database, current_user AS "user",
+           (SELECT rolsuper OR rolreplication FROM pg_roles WHERE rolname = current_user)
+             AS may_replicate,
+           has_database_privilege(current_database(), 'CREATE') AS may_publish
+    """
+)
+
+# The slot of that name anywhere on the server (names are server-wide; a slot belongs to
+# one database). Byte distances are measured from the current WAL insert position:
+# retained = WAL the server keeps for this slot (from restart_lsn), unconfirmed = WAL the
+# relay has not confirmed yet (from confirmed_flush_lsn).
+WAL_SLOT = """
+    SELECT s.slot_name, s.plugin, s.slot_type, s.database, s.active, s.active_pid,
+           s.wal_status, s.safe_wal_size,
+           s.restart_lsn::text AS restart_lsn,
+           s.confirmed_flush_lsn::text AS confirmed_flush_lsn,
+           pg_current_wal_lsn()::text AS current_lsn,
+           pg_wal_lsn_diff(pg_current_wal_lsn(), s.restart_lsn)::bigint AS retained_bytes,
+           pg_wal_lsn_diff(pg_current_wal_lsn(), s.confirmed_flush_lsn)::bigint
+             AS unconfirmed_bytes
+    FROM pg_replication_slots s WHERE s.slot_name = %(slot)s
+"""
+WAL_SLOT_QUERY = text(WAL_SLOT.replace("%(slot)s", ":slot"))
+
+# The WAL relays connected to this database (by their application name): the one reading
+# the slot holds its reader lock (an advisory lock), the others stand by for it.
+WAL_READERS = text(
+    """
+    SELECT a.pid,
+           EXISTS (SELECT 1 FROM pg_locks l WHERE l.pid = a.pid AND l.locktype = 'advisory'
+                   AND l.granted) AS reading
+    FROM pg_stat_activity a
+    WHERE a.datname = current_database() AND a.application_name = :application
+    ORDER BY a.pid
+    """
+)
+
+WAL_PUBLICATION = text("SELECT count(*) > 0 FROM pg_publication WHERE pubname = :name")
+
+# Waits until every transaction that holds an xid now has ended (the slot's consistent
+# point); fails inside a transaction that wrote anything (run it in a transaction alone).
+WAL_CREATE_SLOT = text(
+    "SELECT lsn::text FROM pg_create_logical_replication_slot(:slot, 'pgoutput')"
+)
+
+# The lag probe (outbox/ops/wal_slot.py): a temporary copy of the slot, at the same
+# confirmed position, is peeked instead of the slot itself (a peek takes the slot, and the
+# relay's own reads would fail meanwhile). The first transaction it decodes is the oldest
+# one the relay has not confirmed; its BEGIN carries its commit time. Needs REPLICATION.
+WAL_PROBE_COPY = text("SELECT pg_copy_logical_replication_slot(:slot, :probe, true)")
+WAL_PROBE_PEEK = text(
+    """
+    SELECT data, clock_timestamp() AS db_now
+    FROM pg_logical_slot_peek_binary_changes(:probe, NULL, :n, 'proto_version', '1',
+         'publication_names', :publication, 'messages', 'true')
+    LIMIT :n
+    """
+)
+WAL_PROBE_DROP = text(
+    "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE slot_name = :probe"
+)
+WAL_CLOCK = text("SELECT clock_timestamp()")
+
+
 @dataclass(frozen=True)
 class OpsStore:
     tables: Tables

@@ -333,6 +333,7 @@ _PROMQL_WORDS = {
     "vector",
     "max_over_time",
     "min_over_time",
+    "delta",
 }
 
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from outbox.ops.doctor import Finding, _create_index_sql, exit_code
+from outbox.ops.doctor import _create_index_sql, exit_code
+from outbox.ops.findings import Finding
 from outbox.settings import OutboxSettings
 from outbox.tables import build_tables
 

@@ -106,9 +106,95 @@ tests:
 
 @pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed")
 def test_lag_alert_fires_per_consumer_from_its_own_gauge_or_the_exporters(tmp_path: Path) -> None:
-    tests = tmp_path / "lag_tests.yml"
-    tests.write_text(LAG_TESTS.format(rules=json.dumps(str(ALERTS))))
+    promtool_test(tmp_path, LAG_TESTS)
+
+
+def promtool_test(tmp_path: Path, tests: str) -> None:
+    """Run promtool's rule unit tests ``tests`` (``{rules}``: the rules file) and pass."""
+    path = tmp_path / "rule_tests.yml"
+    path.write_text(tests.format(rules=json.dumps(str(ALERTS))))
     proc = subprocess.run(
-        ["promtool", "test", "rules", str(tests)], capture_output=True, text=True, check=False
+        ["promtool", "test", "rules", str(path)], capture_output=True, text=True, check=False
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+WAL_TESTS = """
+rule_files: [{rules}]
+evaluation_interval: 1m
+tests:
+  # A slot nobody confirms: 2 GiB and 100 MiB more each minute.
+  - interval: 1m
+    input_series:
+      - series: 'outbox_relay_wal_retained_bytes{{instance="r1"}}'
+        values: '2147483648+104857600x40'
+      - series: 'outbox_relay_wal_slot_status{{instance="r1"}}'
+        values: '0x40'
+      - series: 'outbox_relay_wal_safe_bytes{{instance="r1"}}'
+        values: '-1x40'
+    alert_rule_test:
+      - eval_time: 10m
+        alertname: OutboxWalSlotGrowing
+        exp_alerts: []
+      - eval_time: 35m
+        alertname: OutboxWalSlotGrowing
+        exp_alerts:
+          - exp_labels: {{severity: warning}}
+            exp_annotations:
+              summary: "The WAL source's slot holds 5.418GiB of WAL and keeps growing"
+              description: >-
+                The relay is not confirming: `outbox lag` (slot bytes and seconds), the relay's
+                log, `outbox doctor`. An unread slot holds WAL on the primary without bound.
+      - eval_time: 35m
+        alertname: OutboxWalSlotNearInvalidation
+        exp_alerts: []
+  # A large but steady slot (a relay confirming, lots of WAL from elsewhere): no alert.
+  - interval: 1m
+    input_series:
+      - series: 'outbox_relay_wal_retained_bytes{{instance="r1"}}'
+        values: '2147483648x40'
+    alert_rule_test:
+      - eval_time: 35m
+        alertname: OutboxWalSlotGrowing
+        exp_alerts: []
+  # Bounded retention running out, then unreserved, then lost.
+  - interval: 1m
+    input_series:
+      - series: 'outbox_relay_wal_safe_bytes{{instance="r1"}}'
+        values: '4294967296 536870912x5'
+      - series: 'outbox_relay_wal_slot_status{{instance="r1"}}'
+        values: '0 0 0 2 2 3 3'
+    alert_rule_test:
+      - eval_time: 3m
+        alertname: OutboxWalSlotNearInvalidation
+        exp_alerts:
+          - exp_labels: {{severity: critical}}
+            exp_annotations:
+              summary: "The WAL source's slot is 512MiB from being invalidated"
+              description: >-
+                Past max_slot_wal_keep_size PostgreSQL invalidates the slot and every event it
+                has not confirmed is lost. Get the relay reading, or raise max_slot_wal_keep_size.
+      - eval_time: 4m
+        alertname: OutboxWalSlotUnreserved
+        exp_alerts:
+          - exp_labels: {{severity: critical}}
+            exp_annotations:
+              summary: "The WAL source's slot is unreserved: the next checkpoint may invalidate it"
+              description: >-
+                wal_status unreserved: its WAL is past max_slot_wal_keep_size's guarantee. Get
+                the relay reading or raise max_slot_wal_keep_size now (docs/operations/wal-slot.md).
+      - eval_time: 6m
+        alertname: OutboxWalSlotLost
+        exp_alerts:
+          - exp_labels: {{severity: critical}}
+            exp_annotations:
+              summary: "The WAL source's slot was invalidated: unconfirmed events are lost"
+              description: >-
+                The relay stops (exit 2) naming the LSN since which events may be lost; follow
+                docs/operations/wal-slot.md ("The slot is lost").
+"""
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed")
+def test_wal_slot_alerts_fire_on_growth_and_on_unreserved_or_lost(tmp_path: Path) -> None:
+    promtool_test(tmp_path, WAL_TESTS)

@@ -1,0 +1,365 @@
+"""The WAL source's publication and logical replication slot: set-up and state.
+
+``source = "wal"`` carries events in logical-decoding messages that the relay reads from
+a ``pgoutput`` slot (``settings.wal.slot``) naming a publication (``settings.wal.publication``,
+which needs no tables: the messages are not table changes). Both must exist before the
+first event is published — a message committed before the slot exists is never decoded —
+so ``outbox wal setup`` (and ``outbox db upgrade`` in WAL mode) creates them::
+
+    from outbox.ops.wal_slot import ensure, setup_sql
+
+    result = ensure(settings)            # idempotent; WalPrivilegeMissing carries the SQL
+    print(setup_sql(settings))           # the same, for an administrator to run
+
+The publication is created before the slot: pgoutput looks publications up in the
+catalog as of the WAL it decodes, and one created after the slot's start is missing for
+everything decoded before its creation.
+
+``read_state`` is the slot's state for ``doctor``, ``lag`` and the relay's metrics;
+``lag_seconds`` measures how old the oldest transaction the relay has not confirmed is.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import psycopg.errors
+from sqlalchemy import Connection, CursorResult, TextClause, text
+from sqlalchemy.dialects import postgresql
+from sqlalchemy.exc import DBAPIError
+from sqlalchemy.pool import NullPool
+
+from outbox.db import describe, sync_engine, translated_errors
+from outbox.errors import (
+    WalLevelNotLogical,
+    WalPrivilegeMissing,
+    WalSlotMismatch,
+)
+from outbox.ops.store import (
+    WAL_CREATE_SLOT,
+    WAL_PROBE_COPY,
+    WAL_PROBE_DROP,
+    WAL_PROBE_PEEK,
+    WAL_PUBLICATION,
+    WAL_READERS,
+    WAL_SETTINGS,
+    WAL_SLOT_QUERY,
+)
+from outbox.settings import OutboxSettings
+
+_PREPARER = postgresql.dialect().identifier_preparer  # type: ignore[no-untyped-call]
+PLUGIN = "pgoutput"
+# application_name of the WAL relay's reading connection (relay/wal_source.py): how doctor
+# and lag find the relays of a slot.
+READER_APPLICATION = "outbox-relay-wal"
+
+
+def _literal(value: str) -> str:
+    return "'" + value.replace("'", "''") + "'"
+
+
+def _ident(value: str) -> str:
+    return str(_PREPARER.quote_identifier(value))
+
+
+@dataclass(frozen=True)
+class ServerWal:
+    """The server settings and this role's privileges that the WAL source depends on."""
+
+    wal_level: str
+    max_slot_wal_keep_size: int  # bytes; -1 = unbounded (PostgreSQL's default)
+    database: str
+    user: str
+    may_replicate: bool  # superuser or REPLICATION: may create, read and advance slots
+    may_publish: bool  # CREATE on the database: may create the publication
+
+
+@dataclass(frozen=True)
+class SlotState:
+    """One row of ``pg_replication_slots`` plus the WAL it holds, in bytes from the
+    current insert position."""
+
+    slot_name: str
+    plugin: str | None
+    slot_type: str
+    database: str | None
+    active: bool
+    active_pid: int | None
+    wal_status: str | None  # reserved | extended | unreserved | lost
+    safe_wal_size: int | None  # bytes writable before the slot is at risk; None: unbounded
+    restart_lsn: str | None
+    confirmed_flush_lsn: str | None
+    current_lsn: str
+    retained_bytes: int | None  # WAL kept for the slot (from restart_lsn)
+    unconfirmed_bytes: int | None  # WAL not yet confirmed by the relay
+
+    def mismatch(self, database: str) -> str | None:
+        """Why this slot cannot serve the WAL source of ``database``, or None."""
+        if self.slot_type != "logical":
+            return f"is a {self.slot_type} slot, not a logical one"
+        if self.plugin != PLUGIN:
+            return f"uses the output plugin {self.plugin}, not {PLUGIN}"
+        if self.database != database:
+            return f"belongs to database {self.database}, not {database}"
+        return None
+
+
+@dataclass(frozen=True)
+class WalState:
+    """What ``doctor`` and ``lag`` look at: server settings, the slot (None when it does
+    not exist) and whether the publication exists in this database."""
+
+    server: ServerWal
+    slot: SlotState | None
+    publication_exists: bool
+    reading_pids: tuple[int, ...] = ()  # WAL relays holding the reader lock (one, normally)
+    standby_pids: tuple[int, ...] = ()  # WAL relays waiting to take over
+
+
+@dataclass(frozen=True)
+class SetupResult:
+    publication_created: bool
+    slot_created: bool
+    slot_lsn: str | None  # the slot's consistent point when it was created now
+    server: ServerWal
+
+
+def read_server(conn: Connection) -> ServerWal:
+    row = conn.execute(WAL_SETTINGS).mappings().one()
+    return ServerWal(
+        wal_level=row["wal_level"],
+        max_slot_wal_keep_size=int(row["max_slot_wal_keep_size"]),
+        database=row["database"],
+        user=row["user"],
+        may_replicate=bool(row["may_replicate"]),
+        may_publish=bool(row["may_publish"]),
+    )
+
+
+def read_slot(conn: Connection, slot: str) -> SlotState | None:
+    row = conn.execute(WAL_SLOT_QUERY, {"slot": slot}).mappings().one_or_none()
+    return None if row is None else SlotState(**dict(row))
+
+
+def read_state(conn: Connection, settings: OutboxSettings) -> WalState:
+    relays = conn.execute(WAL_READERS, {"application": READER_APPLICATION}).all()
+    return WalState(
+        server=read_server(conn),
+        slot=read_slot(conn, settings.wal.slot),
+        publication_exists=_publication_exists(conn, settings.wal.publication),
+        reading_pids=tuple(int(pid) for pid, reading in relays if reading),
+        standby_pids=tuple(int(pid) for pid, reading in relays if not reading),
+    )
+
+
+def _publication_exists(conn: Connection, name: str) -> bool:
+    return bool(conn.execute(WAL_PUBLICATION, {"name": name}).scalar_one())
+
+
+def setup_sql(
+    settings: OutboxSettings, database: str | None = None, role: str | None = None
+) -> str:
+    """The set-up as a script for an administrator (a superuser, or a role with REPLICATION
+    and CREATE on the database): idempotent, one statement per transaction (run it with
+    ``psql -f``; ``pg_create_logical_replication_slot`` refuses to run in a transaction that
+    has written anything). ``role``, when given, is granted REPLICATION: the relay's login
+    role needs it to read and advance the slot (an attribute, not inherited from a group)."""
+    wal = settings.wal
+    where = f" in database {database}" if database else ""
+    lines = [
+        f"-- outbox-inbox WAL source: publication {wal.publication} and logical slot "
+        f"{wal.slot} ({PLUGIN}){where}.",
+        "-- Run connected to that database (a slot belongs to one database), as a superuser",
+        "-- or a role with REPLICATION and CREATE on the database: psql -f this-file.",
+        "-- The publication first: pgoutput must find it for all WAL the slot decodes.",
+        f"DO $$ BEGIN CREATE PUBLICATION {_ident(wal.publication)}; "
+        "EXCEPTION WHEN duplicate_object OR unique_violation THEN "
+        "RAISE NOTICE 'publication % exists', "
+        f"{_literal(wal.publication)}; END $$;",
+        "-- Waits for the transactions open now to end (the slot's consistent point).",
+        f"SELECT pg_create_logical_replication_slot({_literal(wal.slot)}, '{PLUGIN}') "
+        "WHERE NOT EXISTS "
+        f"(SELECT FROM pg_replication_slots WHERE slot_name = {_literal(wal.slot)});",
+        "-- The relay's login role reads and advances the slot: it needs REPLICATION.",
+    ]
+    if role:
+        lines.append(f"ALTER ROLE {_ident(role)} WITH REPLICATION;")
+    else:
+        lines.append("-- ALTER ROLE <relay login role> WITH REPLICATION;")
+    return "\n".join(lines) + "\n"
+
+
+def ensure_on(
+    conn: Connection,
+    settings: OutboxSettings,
+    progress: Callable[[str], None] | None = None,
+) -> SetupResult:
+    """Create the publication, then the slot, where missing (idempotent, safe to run
+    concurrently). ``conn`` must be in autocommit mode: the slot cannot be created in a
+    transaction that has written (the publication's catalog rows).
+
+    Raises :class:`WalLevelNotLogical`, :class:`WalSlotMismatch` (a slot of that name that
+    is not this database's pgoutput slot) or :class:`WalPrivilegeMissing` with the SQL an
+    administrator runs instead (``exc.sql``). ``progress`` is told about each object
+    created (and before the slot, whose creation may wait)."""
+    tell = progress or (lambda _: None)
+    server = read_server(conn)
+    if server.wal_level != "logical":
+        raise WalLevelNotLogical(
+            f"wal_level is {server.wal_level}, the WAL source needs logical: "
+            "ALTER SYSTEM SET wal_level = logical; then restart PostgreSQL",
+            sql="ALTER SYSTEM SET wal_level = logical;  -- then restart PostgreSQL\n",
+        )
+    wal = settings.wal
+    # The SQL an admin runs: ALTER ROLE only for a role that lacks REPLICATION itself.
+    admin = setup_sql(settings, server.database, None if server.may_replicate else server.user)
+    slot = read_slot(conn, wal.slot)
+    if slot is not None and (why := slot.mismatch(server.database)):
+        raise WalSlotMismatch(
+            f"replication slot {wal.slot!r} {why}; choose another name (OUTBOX_WAL__SLOT) "
+            "or drop that slot"
+        )
+    publication_created = False
+    if not _publication_exists(conn, wal.publication):
+        publication_created = _create_publication(conn, wal.publication, server, admin)
+        if publication_created:
+            tell(f"created publication {wal.publication}")
+    slot_lsn = None
+    if slot is None:
+        tell(f"creating replication slot {wal.slot} (waits for the transactions open now)")
+        slot_lsn = _create_slot(conn, wal.slot, server, admin)
+        if slot_lsn is not None:
+            tell(f"created replication slot {wal.slot} at LSN {slot_lsn}")
+    return SetupResult(publication_created, slot_lsn is not None, slot_lsn, server)
+
+
+def ensure(settings: OutboxSettings, progress: Callable[[str], None] | None = None) -> SetupResult:
+    """:func:`ensure_on` over a connection of its own to ``settings.database_url``."""
+    engine = sync_engine(settings, pool_pre_ping=False, isolation_level="AUTOCOMMIT")
+    try:
+        with translated_errors(), engine.connect() as conn:
+            return ensure_on(conn, settings, progress)
+    finally:
+        engine.dispose()
+
+
+def _create(
+    conn: Connection, statement: TextClause, params: dict[str, str], denied: str, admin: str
+) -> CursorResult[Any] | None:
+    """Run one CREATE; None when a concurrent set-up made the object first. A refusal
+    (42501) is :class:`WalPrivilegeMissing` saying what ``denied`` the role, with the SQL."""
+    try:
+        return conn.execute(statement, params)
+    except DBAPIError as exc:
+        # A concurrent CREATE of the same name that commits first: duplicate_object, or the
+        # catalog's unique index when both passed the existence check at once.
+        if isinstance(exc.orig, psycopg.errors.DuplicateObject | psycopg.errors.UniqueViolation):
+            return None
+        if isinstance(exc.orig, psycopg.errors.InsufficientPrivilege):
+            raise _refused(exc, denied, admin) from exc
+        raise
+
+
+def _create_publication(conn: Connection, name: str, server: ServerWal, admin: str) -> bool:
+    denied = (
+        f"role {server.user} may not create publication {name!r} (it needs CREATE on "
+        f"database {server.database})"
+    )
+    created = _create(conn, text(f"CREATE PUBLICATION {_ident(name)}"), {}, denied, admin)
+    return created is not None
+
+
+def _create_slot(conn: Connection, slot: str, server: ServerWal, admin: str) -> str | None:
+    denied = (
+        f"role {server.user} may not create replication slot {slot!r} (it needs REPLICATION "
+        "or superuser)"
+    )
+    created = _create(conn, WAL_CREATE_SLOT, {"slot": slot}, denied, admin)
+    return None if created is None else str(created.scalar_one())
+
+
+def _refused(exc: BaseException, what: str, admin: str) -> WalPrivilegeMissing:
+    sqlstate, message, _ = describe(exc)
+    return WalPrivilegeMissing(
+        f"{what}: {message} [SQLSTATE {sqlstate}]; ask an administrator to run the SQL of "
+        "`outbox wal setup --print-sql`",
+        sql=admin,
+        sqlstate=sqlstate,
+    )
+
+
+# pgoutput (protocol 1) BEGIN: b"B", final LSN (int64), commit time (int64 microseconds
+# since 2000-01-01 UTC), xid (int32).
+_BEGIN = struct.Struct("!cqqi")
+_PG_EPOCH = datetime(2000, 1, 1, tzinfo=UTC)
+# Rows read from the probe: the first transaction's BEGIN is the first row unless
+# non-transactional messages (no BEGIN) come before it.
+_PROBE_ROWS = 16
+
+
+def commit_time(data: bytes) -> datetime | None:
+    """The commit time in a pgoutput BEGIN message, None for any other message."""
+    if len(data) != _BEGIN.size or data[:1] != b"B":
+        return None
+    _, _, micros, _ = _BEGIN.unpack(data)
+    return _PG_EPOCH + timedelta(microseconds=micros)
+
+
+@dataclass(frozen=True)
+class LagProbe:
+    """Age of the oldest transaction in the slot the relay has not confirmed: 0.0 when
+    there is none (caught up), None with ``reason`` when it could not be measured."""
+
+    seconds: float | None
+    reason: str | None = None
+
+
+def lag_seconds(settings: OutboxSettings, timeout_seconds: float = 10) -> LagProbe:
+    """Measure the slot's lag in seconds, on the database clock, over a connection of its
+    own.
+
+    PostgreSQL has no "time of an LSN"; the commit time of the first transaction past the
+    slot's confirmed position is exact. It is read from a temporary copy of the slot
+    (``pg_copy_logical_replication_slot``): peeking the slot itself would take it from the
+    relay for the duration. The copy is dropped at once (and by PostgreSQL when the session
+    ends in any case). Needs REPLICATION (or superuser); decoding stops after the first
+    transaction and is bounded by ``timeout_seconds``. The relay's heartbeat keeps an idle,
+    caught-up slot's figure near or below ``wal.heartbeat_seconds``.
+    """
+    wal = settings.wal
+    # Slot names: at most 63 characters of a-z, 0-9 and _.
+    probe = f"outbox_lag_probe_{os.getpid()}_{secrets.token_hex(4)}"
+    engine = sync_engine(settings, pool_pre_ping=False, poolclass=NullPool)
+    try:
+        with translated_errors(), engine.connect() as conn:
+            try:
+                with conn.begin():
+                    timeout = int(timeout_seconds * 1000)
+                    conn.exec_driver_sql(f"SET LOCAL statement_timeout = {timeout}")
+                    conn.execute(WAL_PROBE_COPY, {"slot": wal.slot, "probe": probe})
+                    rows = conn.execute(
+                        WAL_PROBE_PEEK,
+                        {"probe": probe, "n": _PROBE_ROWS, "publication": wal.publication},
+                    ).all()
+            except DBAPIError as exc:
+                if exc.connection_invalidated:
+                    raise
+                sqlstate, message, _ = describe(exc)
+                return LagProbe(None, f"{message} [SQLSTATE {sqlstate}]")
+            finally:
+                # Creating a slot is not undone by a rollback.
+                with conn.begin():
+                    conn.execute(WAL_PROBE_DROP, {"probe": probe})
+    finally:
+        engine.dispose()
+    for data, db_now in rows:
+        committed = commit_time(bytes(data))
+        if committed is not None:
+            return LagProbe(max(0.0, (db_now - committed).total_seconds()))
+    return LagProbe(0.0)
