@@ -140,7 +140,10 @@ class Relay:
             },
         )
         if self.wal is not None:
-            self._tasks = [asyncio.create_task(self.wal.run(stopping), name="wal")]
+            self._tasks = [
+                asyncio.create_task(self.wal.run(stopping), name="wal"),
+                asyncio.create_task(self.wal.watch(stopping), name="wal-gauges"),
+            ]
         else:
             self._tasks = self._table_tasks(stopping)
         self._tasks.append(asyncio.create_task(self._report(stopping), name="status"))

@@ -22,11 +22,13 @@ _MESSAGE_HEAD = struct.Struct(">Bq")
 _COMMIT = struct.Struct(">Bqqq")
 _LEN = struct.Struct(">i")
 _PG_EPOCH = dt.datetime(2000, 1, 1, tzinfo=dt.UTC)
+_PG_EPOCH_UNIX = _PG_EPOCH.timestamp()
 
 
 class Begin(NamedTuple):
     final_lsn: int  # the commit record's LSN: orders transactions, names one
     commit_time: str  # CloudEvents `time` of its events (ISO 8601, UTC, microseconds)
+    committed_at: float  # the same as Unix time (the slot's lag is measured from it)
 
 
 class Message(NamedTuple):
@@ -50,7 +52,7 @@ def begin(data: bytes) -> Begin:
         final_lsn, commit_time, _ = _BEGIN.unpack_from(data, 1)
     except struct.error as exc:
         raise WalRecordInvalid(f"pgoutput Begin record: {exc}") from None
-    return Begin(final_lsn, _time(commit_time))
+    return Begin(final_lsn, _time(commit_time), _PG_EPOCH_UNIX + commit_time / 1e6)
 
 
 def message(data: bytes) -> Message:

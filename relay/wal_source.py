@@ -26,16 +26,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 import uuid
 from collections.abc import Sequence
 from typing import Any
 
 import psycopg
+from psycopg.rows import dict_row
 
 from outbox import envelope, wal_codec
 from outbox.db import unavailable, unprepared_connection
 from outbox.dberrors import is_transient
-from outbox.errors import DatabaseUnavailable, SchemaMissing, TopicMissing
+from outbox.errors import DatabaseUnavailable, SchemaMissing, TopicMissing, WalSlotMismatch
+from outbox.ops.store import WAL_SLOT
+from outbox.ops.wal_health import WalGauges
+from outbox.ops.wal_slot import SlotState
 from outbox.outages import Dependency
 from outbox.resilience.retry import RetryPolicy
 from outbox.settings import OutboxSettings
@@ -52,6 +57,8 @@ log = logging.getLogger("relay.wal")
 
 # Records fetched from the read's cursor at a time (at most; fewer when they are large).
 FIRST_FETCH, FETCH_RECORDS = 16, 500
+# How often the slot's gauges are read.
+GAUGE_SECONDS = 5.0
 # Within a long read, confirm the slot at a transaction end this often (each advance
 # decodes the WAL from the slot's restart position: not at every transaction).
 CHECKPOINT_SECONDS = 5.0
@@ -137,6 +144,8 @@ class WalSource:
         self._side: psycopg.AsyncConnection[tuple[Any, ...]] | None = None
         self._cut = False  # a publish given up on stopping: confirm nothing more
         self._table_busy = False  # the outbox table held unpublished rows at the last read
+        # Commit time (Unix) of the oldest transaction read but not confirmed yet, if any.
+        self._oldest: float | None = None
 
     @property
     def connected(self) -> bool:
@@ -187,6 +196,44 @@ class WalSource:
         finally:
             await self.close()
 
+    async def watch(self, stopping: asyncio.Event) -> None:
+        """The slot's gauges (retained and unconfirmed WAL, wal_status, safe size, lag) every
+        ``GAUGE_SECONDS``, on a connection of their own; a failed look is tried again at the
+        next one (the reading loop reports the database's state)."""
+        conn: psycopg.AsyncConnection[dict[str, Any]] | None = None
+        try:
+            while not stopping.is_set():
+                try:
+                    if conn is None or conn.closed:
+                        conn = await psycopg.AsyncConnection.connect(
+                            self._settings.libpq_dsn,
+                            autocommit=True,
+                            application_name="outbox-relay-wal-gauges",
+                            row_factory=dict_row,
+                        )
+                    cur = await conn.execute(WAL_SLOT, {"slot": self._settings.wal.slot})
+                    row = await cur.fetchone()
+                    slot = None if row is None else SlotState(**row)
+                    self._metrics.set_wal(WalGauges.of(slot, self._lag()))
+                except psycopg.Error as exc:
+                    log.debug("slot gauges not read: %r", exc)
+                    if conn is not None:
+                        with contextlib.suppress(psycopg.Error):
+                            await conn.close()
+                    conn = None
+                await sleep_unless(stopping, GAUGE_SECONDS)
+        finally:
+            if conn is not None:
+                with contextlib.suppress(psycopg.Error):
+                    await conn.close()
+
+    def _lag(self) -> float | None:
+        """Seconds since the oldest transaction read and not confirmed committed; 0 when
+        the reader is caught up; None (unknown) on a standby."""
+        if not self.reading:
+            return None
+        return 0.0 if self._oldest is None else max(0.0, time.time() - self._oldest)
+
     @property
     def _heartbeat_prefix(self) -> str:
         return f"{self._settings.wal.prefix}.heartbeat"
@@ -228,9 +275,13 @@ class WalSource:
         state = await (await conn.execute(self._store.slot_state, {"slot": slot})).fetchone()
         if state is None:
             raise SlotMissing(slot)
-        confirmed, wal_status, _, plugin = state
-        if plugin != "pgoutput":
-            raise SlotMissing(slot) from None
+        confirmed, wal_status, ours = state
+        if not ours:
+            raise WalSlotMismatch(
+                f"replication slot {slot!r} is not a pgoutput slot of this database "
+                "(physical, another plugin or another database): name another one in "
+                "OUTBOX_WAL__SLOT, or drop it and run `outbox wal setup`"
+            )
         if wal_status == "lost":
             raise SlotLost(slot, confirmed, "invalidated: wal_status is 'lost'")
         got = await (await conn.execute(self._store.try_lock)).fetchone()
@@ -284,7 +335,10 @@ class WalSource:
                                 ):
                                     await self._hand_over(stream, stopping)
                         elif kind == pgoutput.BEGIN:
-                            ce_time = pgoutput.begin(data).commit_time
+                            begin = pgoutput.begin(data)
+                            ce_time = begin.commit_time
+                            if self._oldest is None:
+                                self._oldest = begin.committed_at
                         elif kind == pgoutput.COMMIT:
                             safe = pgoutput.commit(data).end_lsn
                             now = self._last_commit_at = loop.time()
@@ -305,10 +359,11 @@ class WalSource:
                 task.cancel()
         read = loop.time()
         await self._advance(conn, safe)
+        if not self._cut:
+            self._oldest = None  # caught up with what the read held
         if events:
             log.debug(
-                "read %d events in %.3f s (decoding until the first record %.3f s, advance"
-                " %.3f s)",
+                "read %d events in %.3f s (decoding until the first record %.3f s, advance %.3f s)",
                 events,
                 read - started,
                 peeked - started,

@@ -46,11 +46,12 @@ class WalStore:
             sql.Literal(ns), sql.Literal(key)
         )
 
-    # Params: slot. confirmed_flush_lsn as text (NULL for a slot never confirmed).
+    # Params: slot. confirmed_flush_lsn as text (NULL for a physical slot); whether the
+    # slot is a pgoutput slot of this database (slot names are server-wide).
     slot_state = (
-        "SELECT confirmed_flush_lsn::text, wal_status, active_pid, plugin"
+        "SELECT confirmed_flush_lsn::text, wal_status,"
+        " plugin = 'pgoutput' AND database = current_database()"
         " FROM pg_replication_slots WHERE slot_name = %(slot)s"
-        " AND database = current_database()"
     )
 
     @cached_property

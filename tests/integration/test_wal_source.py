@@ -11,6 +11,7 @@ import random
 import re
 import threading
 import time
+import urllib.request
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from outbox import TOMBSTONE, Message, Outbox, UnsupportedInWalMode
 from outbox.settings import OutboxSettings
 from outbox.tables import build_tables
-from tests.support.kafka import create_topic
+from tests.support.kafka import create_topic, free_port
 from tests.support.relay import (
     RelayProcess,
     peak_rss_mib,
@@ -44,6 +45,20 @@ def settings(isolated_settings: OutboxSettings) -> Iterator[OutboxSettings]:
 
 def _env(settings: OutboxSettings, **extra: str) -> dict[str, str]:
     return relay_env(settings, **wal_env(settings), **extra)
+
+
+def _metrics_when(port: int, line: str, timeout: float = 30) -> str:
+    """The relay's /metrics once it shows ``line`` (gauges are read every few seconds)."""
+    found = ""
+
+    def shows() -> bool:
+        nonlocal found
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as answer:
+            found = answer.read().decode()
+        return line in found.splitlines()
+
+    assert _wait_for(shows, timeout), found
+    return found
 
 
 def _wait_for(what: Callable[[], bool], timeout: float) -> bool:
@@ -104,10 +119,14 @@ async def test_round_trip_in_key_order_with_every_envelope_field(
     with engine.connect() as conn:
         assert conn.execute(text(f"SELECT count(*) FROM {events.fullname}")).scalar_one() == 0
     before = confirmed_lsn(settings)
-    relay = RelayProcess(_env(settings), tmp_path, "wal")
+    port = free_port()
+    relay = RelayProcess(_env(settings), tmp_path, "wal", "--metrics-port", str(port))
     try:
         records = await read_ids(settings.kafka_bootstrap_servers, topic, [*ids, str(tomb[0])])
         assert relay.alive(), relay.log()[-3000:]
+        # The slot's gauges: wal_status reserved (0), a lag measured (not -1: unknown).
+        metrics = await asyncio.to_thread(_metrics_when, port, "outbox_relay_wal_slot_status 0.0")
+        assert "outbox_relay_wal_lag_seconds -1.0" not in metrics, metrics
         code, _ = relay.terminate()
     finally:
         relay.kill()

@@ -117,7 +117,7 @@ def _message(prefix: str, content: bytes, transactional: bool = True) -> bytes:
 
 def test_pgoutput_records() -> None:
     begin = pgoutput.begin(_begin(0x1_0000_0010, 1_000_000))
-    assert begin == pgoutput.Begin(0x1_0000_0010, "2000-01-01T00:00:01.000000Z")
+    assert begin == pgoutput.Begin(0x1_0000_0010, "2000-01-01T00:00:01.000000Z", 946_684_801.0)
     msg = pgoutput.message(_message("outbox", b"abc"))
     assert (msg.transactional, msg.lsn, msg.prefix, bytes(msg.content)) == (
         True,
