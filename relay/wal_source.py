@@ -28,7 +28,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import psycopg
@@ -323,7 +323,7 @@ class WalSource:
                             msg = pgoutput.message(data)
                             if msg.prefix != prefix or not msg.transactional:
                                 continue
-                            for event in wal_codec.decode(msg.content):
+                            for event in self._events(msg):
                                 key = event.key
                                 stream = streams[hash(key) % len(streams) if key else 0]
                                 stream.rows.append(_row(event, ce_time))
@@ -370,6 +370,19 @@ class WalSource:
                 loop.time() - read,
             )
         return events > 0
+
+    @staticmethod
+    def _events(msg: pgoutput.Message) -> Iterator[wal_codec.WalEvent]:
+        """The events of an outbox message; one that cannot be read stops the relay with
+        where it is (the slot stays before it: skipping it would lose its events)."""
+        try:
+            yield from wal_codec.decode(msg.content)
+        except wal_codec.WalMessageInvalid as exc:
+            raise wal_codec.WalMessageInvalid(
+                f"{exc} (message at LSN {lsn_text(msg.lsn)}; to skip it and lose what it "
+                "carries, advance the slot past its transaction with "
+                "pg_replication_slot_advance)"
+            ) from None
 
     async def _hand_over(self, stream: _Stream, stopping: asyncio.Event) -> None:
         """Publish ``stream``'s filled batch once its previous one is settled."""
