@@ -4,7 +4,9 @@ topics of the run's own, deleted at its end."""
 from __future__ import annotations
 
 import argparse
+import fcntl
 import uuid
+from typing import IO
 
 from aiokafka.admin import NewTopic
 from aiokafka.errors import KafkaError
@@ -13,6 +15,7 @@ from sqlalchemy import text
 from outbox import OutboxSettings, load_settings, migrate
 from outbox.daemon import kafka_admin
 from outbox.db import sync_engine
+from tests.support.kafka import scratch_lock
 
 
 def scratch_settings(args: argparse.Namespace | None = None) -> OutboxSettings:
@@ -47,6 +50,18 @@ def payload_300b(n: int) -> dict[str, object]:
 # This run's topics: a bench that kept them would leave thousands of partitions on the
 # broker after a few runs (gigabytes, and minutes of log recovery at its next start).
 _created: list[str] = []
+# A test session that ends deletes the scratch topics created during its run unless another
+# session holds this lock; a benchmark holds it too, from its first topic to its exit, or a
+# test run ending beside it deletes the topic it is reading (the benchmark then waits
+# forever on metadata errors).
+_sharing: list[IO[str]] = []
+
+
+def _share_broker(settings: OutboxSettings) -> None:
+    if not _sharing:
+        f = scratch_lock(settings.kafka_bootstrap_servers).open("a")
+        fcntl.flock(f, fcntl.LOCK_SH)
+        _sharing.append(f)  # released when the process exits
 
 
 async def create_topic(
@@ -54,12 +69,10 @@ async def create_topic(
     partitions: int,
     config: dict[str, str] | None = None,
     prefix: str = "bench",
-    suffix: str = "",
 ) -> str:
-    """A uniquely named topic (the broker never auto-creates them). A ``suffix`` keeps the
-    name out of the test sessions' scratch pattern (tests/support/kafka.py), whose clean-up
-    deletes every topic of that shape created while a session ran, a bench's included."""
-    name = f"{prefix}-{uuid.uuid4().hex[:8]}{suffix}"
+    """A uniquely named topic (the broker never auto-creates them)."""
+    _share_broker(settings)
+    name = f"{prefix}-{uuid.uuid4().hex[:8]}"
     admin = kafka_admin(settings)
     await admin.start()
     try:

@@ -107,7 +107,7 @@ def drain(
 ) -> float:
     """Events/s of one relay of ``settings.source`` draining ``rows`` filled while it was
     paused (see the module's docstring)."""
-    topic = asyncio.run(create_topic(settings, partitions, suffix="-run"))
+    topic = asyncio.run(create_topic(settings, partitions))
     name = f"relay-{settings.source}-{uuid.uuid4().hex[:4]}.log"
     proc = start_relay(settings, logs, name)
     try:

@@ -42,7 +42,8 @@ from relay.errors import PartitionUnavailable, ProducerBroken, RecordRejected
 from relay.kafka_state import KafkaState
 from relay.lanes import LaneManager
 from relay.metrics import RelayMetrics
-from relay.publisher import Outcome, Publisher
+from relay.outcome import Outcome
+from relay.publisher import Publisher
 from relay.store import (
     ATTEMPTS,
     CE_ID,

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from outbox import tracing
-from relay.publisher import Outcome
+from relay.outcome import Outcome
 from relay.store import CE_ID, HEADERS, TOPIC, ClaimedRow
 
 if TYPE_CHECKING:

@@ -62,6 +62,13 @@ async def _delete_topics(bootstrap: str, names: set[str]) -> None:
         await admin.close()
 
 
+def scratch_lock(bootstrap: str) -> Path:
+    """The lock file of the test sessions (and benchmarks) sharing the broker at
+    ``bootstrap``: each holds it shared while its topics are in use."""
+    digest = hashlib.sha256(bootstrap.encode()).hexdigest()[:12]
+    return Path(tempfile.gettempdir()) / f"outbox-tests-{digest}.lock"
+
+
 @contextmanager
 def scratch_topics_deleted(bootstrap: str) -> Iterator[None]:
     """Delete, at the end, the scratch topics created meanwhile: every test uses topics of
@@ -71,9 +78,7 @@ def scratch_topics_deleted(bootstrap: str) -> Iterator[None]:
     Other test sessions may use the same broker at the same time: each holds a shared lock
     for its whole run, and a session deletes only when it can take the lock alone — the
     last one out. A session starting meanwhile waits for that cleanup before it looks."""
-    digest = hashlib.sha256(bootstrap.encode()).hexdigest()[:12]
-    lock = Path(tempfile.gettempdir()) / f"outbox-tests-{digest}.lock"
-    with lock.open("a") as f:
+    with scratch_lock(bootstrap).open("a") as f:
         fcntl.flock(f, fcntl.LOCK_SH)
         try:
             before = asyncio.run(_topic_names(bootstrap))

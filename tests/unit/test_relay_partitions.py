@@ -11,9 +11,11 @@ import pytest
 
 from outbox.settings import OutboxSettings
 from relay.errors import PartitionUnavailable
+from relay.leader_watch import LEADER_PROBE_SECONDS, LeaderWatch
 from relay.metrics import RelayMetrics
 from relay.partitions import MAX_DELAY, MIN_DELAY, PartitionHealth
-from relay.publisher import LEADER_PROBE_SECONDS, Publisher
+from relay.producer_pool import ProducerPool
+from relay.publisher import Publisher
 
 TP = ("orders", 3)
 OTHER = ("orders", 4)
@@ -164,15 +166,15 @@ async def test_new_clients_bootstrap_from_brokers_that_answer_and_pick_them() ->
     # timeout: once some brokers are known to answer, only they are given.
     settings = OutboxSettings(kafka_bootstrap_servers="a:1,b:2")
     publisher = Publisher(settings)
-    assert publisher._bootstrap() == "a:1,b:2"  # nothing running yet: the configured list
+    assert publisher.brokers.bootstrap() == "a:1,b:2"  # nothing running yet: the configured list
     running = _Running([1, 2, 3])
-    publisher._producers[0] = running  # type: ignore[assignment]
+    publisher.pool._producers[0] = running  # type: ignore[assignment]
     now = asyncio.get_running_loop().time()
-    publisher._answered = {1: now - 60, 2: now, 3: now}  # broker 1 went quiet long ago
-    assert publisher._bootstrap() == "10.0.0.1:9092,10.0.0.1:9093"
-    assert {publisher._pick_node(running.client) for _ in range(50)} == {2, 3}
-    publisher._answered = {}  # nobody known to answer: every broker, then the configured
-    assert publisher._bootstrap().split(",") == [
+    publisher.brokers.answered = {1: now - 60, 2: now, 3: now}  # broker 1 went quiet long ago
+    assert publisher.brokers.bootstrap() == "10.0.0.1:9092,10.0.0.1:9093"
+    assert {publisher.brokers.pick_node(running.client) for _ in range(50)} == {2, 3}
+    publisher.brokers.answered = {}  # nobody known to answer: every broker, then the configured
+    assert publisher.brokers.bootstrap().split(",") == [
         "10.0.0.1:9091",
         "10.0.0.1:9092",
         "10.0.0.1:9093",
@@ -182,9 +184,9 @@ async def test_new_clients_bootstrap_from_brokers_that_answer_and_pick_them() ->
     # After a failover Kafka lists only the brokers it has not fenced, and both answer:
     # them alone, not the configured list too (it names the hung broker, and a new producer
     # that tried it first waited for its return).
-    publisher._producers[0] = _Running([2, 3])  # type: ignore[assignment]
-    publisher._answered = {2: now, 3: now}
-    assert publisher._bootstrap() == "10.0.0.1:9092,10.0.0.1:9093"
+    publisher.pool._producers[0] = _Running([2, 3])  # type: ignore[assignment]
+    publisher.brokers.answered = {2: now, 3: now}
+    assert publisher.brokers.bootstrap() == "10.0.0.1:9092,10.0.0.1:9093"
 
 
 async def test_a_producer_is_in_place_once_its_start_is_done(
@@ -195,23 +197,24 @@ async def test_a_producer_is_in_place_once_its_start_is_done(
     # for the same partitions — never kept, so never closed nor replaced when they stall.
     made: list[object] = []
 
-    def new_producer(self: Publisher, bootstrap: str) -> object:
+    def new_producer(self: ProducerPool, bootstrap: str) -> object:
         made.append(SimpleNamespace(bootstrap=bootstrap))
         return made[-1]
 
     async def start_kafka(producer: object, settings: OutboxSettings) -> None:
         await asyncio.sleep(0)
 
-    monkeypatch.setattr(Publisher, "_new_producer", new_producer)
-    monkeypatch.setattr("relay.publisher.start_kafka", start_kafka)
+    monkeypatch.setattr(ProducerPool, "_new_producer", new_producer)
+    monkeypatch.setattr("relay.producer_pool.start_kafka", start_kafka)
     publisher = Publisher(OutboxSettings(kafka_bootstrap_servers="a:1"))
-    waiting = asyncio.ensure_future(publisher._start(0))
+    waiting = asyncio.ensure_future(publisher.pool.start(0))
     await asyncio.sleep(0)  # the start is under way
     in_place: list[object | None] = []
-    publisher._starting[0].add_done_callback(lambda _: in_place.append(publisher._producers[0]))
+    pool = publisher.pool
+    pool._starting[0].add_done_callback(lambda _: in_place.append(pool._producers[0]))
     assert await waiting is made[0]
     assert in_place == [made[0]]  # in place before anyone resumed
-    assert await publisher._start(0) is made[0] and len(made) == 1
+    assert await publisher.pool.start(0) is made[0] and len(made) == 1
 
 
 async def test_when_every_leader_has_a_stalled_partition_the_brokers_that_answer_are_asked() -> (
@@ -222,13 +225,13 @@ async def test_when_every_leader_has_a_stalled_partition_the_brokers_that_answer
     # still asked; the hung one is not (it would hold a start for a request timeout).
     publisher = Publisher(OutboxSettings(kafka_bootstrap_servers="a:1"))
     running = _Running([1, 2, 3])
-    publisher._producers[0] = running  # type: ignore[assignment]
+    publisher.pool._producers[0] = running  # type: ignore[assignment]
     loop = asyncio.get_running_loop()
     for partition, leader in enumerate([1, 2, 3]):
         publisher.health.stalled(("orders", partition), loop.create_future(), leader)
-    publisher._answered = {2: loop.time(), 3: loop.time()}
-    assert {publisher._pick_node(running.client) for _ in range(50)} == {2, 3}
-    assert publisher._bootstrap() == "10.0.0.1:9092,10.0.0.1:9093"
+    publisher.brokers.answered = {2: loop.time(), 3: loop.time()}
+    assert {publisher.brokers.pick_node(running.client) for _ in range(50)} == {2, 3}
+    assert publisher.brokers.bootstrap() == "10.0.0.1:9092,10.0.0.1:9093"
 
 
 async def test_replacing_a_stalled_batch_s_producer_ends_every_wait_for_kafka(
@@ -239,13 +242,13 @@ async def test_replacing_a_stalled_batch_s_producer_ends_every_wait_for_kafka(
     # never be answered: the waits end then, not when their backoff runs out.
     closed: list[object] = []
 
-    async def close(self: Publisher, producer: object, within: float = 2.0) -> None:
+    async def close(self: ProducerPool, producer: object, within: float = 2.0) -> None:
         closed.append(producer)
 
-    monkeypatch.setattr(Publisher, "_close", close)
+    monkeypatch.setattr(ProducerPool, "_close", close)
     publisher = Publisher(OutboxSettings(kafka_bootstrap_servers="a:1"))
     producer = _Running([1])
-    publisher._producers[0] = producer  # type: ignore[assignment]
+    publisher.pool._producers[0] = producer  # type: ignore[assignment]
     batch: asyncio.Future[None] = asyncio.get_running_loop().create_future()
     publisher.health.stalled(TP, batch, leader=1)
     publisher._stuck[batch] = producer  # type: ignore[assignment]
@@ -257,7 +260,7 @@ async def test_replacing_a_stalled_batch_s_producer_ends_every_wait_for_kafka(
     # A pipeline that last tried before this tries again at once, waiting or not.
     assert publisher.replaced_at >= before
     assert await asyncio.wait_for(asyncio.gather(*waits), 1.0) == [True, True]
-    assert publisher.health.waiting == [] and publisher._producers[0] is None
+    assert publisher.health.waiting == [] and publisher.pool._producers[0] is None
     await asyncio.sleep(0)
     assert closed == [producer]
 
@@ -271,14 +274,14 @@ async def test_the_leader_watch_outlives_a_client_that_cannot_start(
     # broker's partitions waited out their request timeout after Kafka's failover).
     starts: list[float] = []
 
-    async def no_client(self: Publisher) -> None:
+    async def no_client(self: LeaderWatch) -> None:
         starts.append(asyncio.get_running_loop().time())
 
-    monkeypatch.setattr(Publisher, "_watch_client", no_client)
+    monkeypatch.setattr(LeaderWatch, "client", no_client)
     publisher = Publisher(OutboxSettings(kafka_bootstrap_servers="a:1"))
     batch: asyncio.Future[None] = asyncio.get_running_loop().create_future()
     publisher.health.stalled(TP, batch, leader=1)
-    watch = asyncio.ensure_future(publisher._watch_leaders())
+    watch = asyncio.ensure_future(publisher.watch.run())
     await asyncio.sleep(4 * LEADER_PROBE_SECONDS)
     assert len(starts) >= 2 and not watch.done()
     batch.set_result(None)
@@ -294,7 +297,7 @@ async def test_the_leader_watch_s_client_gives_up_on_a_broker_that_never_answers
         silent.listen(8)
         host, port = silent.getsockname()
         publisher = Publisher(OutboxSettings(kafka_bootstrap_servers=f"{host}:{port}"))
-        assert await publisher._watch_client() is None
+        assert await publisher.watch.client() is None
 
 
 async def test_the_wait_for_kafka_ends_when_rows_of_a_partition_taken_back_are_due() -> None:

@@ -152,8 +152,7 @@ async def test_a_cancelled_delivery_leaves_no_batch_failure_unread() -> None:
             return batches[-1]
 
     publisher = Publisher(OutboxSettings())
-    publisher._producers[0] = _Producer()  # type: ignore[assignment]
-    publisher._producer_of[("t", 0)] = 0
+    publisher.pool._producers[0] = _Producer()  # type: ignore[assignment]
     try:
         delivery = asyncio.ensure_future(publisher._deliver(("t", 0), [(object(), [0])] * 3))
         await asyncio.sleep(0)  # queued all three, waiting for the first
@@ -216,11 +215,11 @@ async def test_a_leader_watch_that_dies_fails_the_relays_health_and_is_not_resta
         starts.append(1)
         raise KeyError("leader")  # an answer of a shape this code does not expect
 
-    publisher._watch_leaders = broken  # type: ignore[method-assign]
-    publisher._ensure_watch()
+    publisher.watch.run = broken  # type: ignore[method-assign]
+    publisher.watch.ensure()
     await asyncio.sleep(0.01)
     assert publisher.failure is not None  # Relay.healthy() is False
-    publisher._ensure_watch()  # the next stall: not restarted into the same bug
+    publisher.watch.ensure()  # the next stall: not restarted into the same bug
     await asyncio.sleep(0.01)
     assert starts == [1]
     (error,) = [r for r in caplog.records if r.levelno == logging.ERROR]

@@ -1,0 +1,177 @@
+"""Batch planning: claimed rows packed into Kafka record batches, per partition, in row order.
+
+Partitions are chosen like Kafka's default partitioner (murmur2 of the key), so keyed
+records land where any Kafka client would put them; keyless records stick to one random
+partition per batch (they carry no order promise). Rows that cannot go now — too large,
+topic missing or not ours to write, partition held back after a stall — are reported in the
+outcome instead of planned. Records carry the CloudEvents binary-mode headers
+(docs/reference/wire-format.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+from collections.abc import Sequence
+from typing import Any
+
+from aiokafka import AIOKafkaProducer
+from aiokafka.partitioner import murmur2
+
+from outbox.errors import BrokerUnavailable, TopicMissing
+from outbox.settings import OutboxSettings
+from relay.errors import PartitionUnavailable, RecordRejected, RecordTooLarge
+from relay.outcome import Outcome
+from relay.partitions import PartitionHealth
+from relay.producer_pool import ProducerPool
+from relay.store import (
+    CE_ID,
+    CE_TIME,
+    CONTENT_TYPE,
+    EVENT_TYPE,
+    HEADERS,
+    KEY,
+    PAYLOAD,
+    SOURCE,
+    TOPIC,
+    ClaimedRow,
+)
+
+log = logging.getLogger("relay.publisher")
+
+_SPEC = b"1.0"
+_KEY_CACHE_LIMIT = 100_000
+
+# One partition's share of a publish: its record batches and the row indexes in each.
+Batches = list[tuple[Any, list[int]]]
+
+
+class BatchPlanner:
+    def __init__(
+        self, settings: OutboxSettings, health: PartitionHealth, pool: ProducerPool
+    ) -> None:
+        self._settings = settings
+        self._health = health
+        self._pool = pool
+        self.partitions: dict[str, list[int]] = {}  # topic -> its partitions, as last asked
+        self._key_partition: dict[str, dict[bytes, int]] = {}
+        self._missing: set[str] = set()  # topics known to be missing (logged once each)
+
+    def forget(self) -> None:
+        self.partitions.clear()
+
+    async def partitions_for(self, producer: AIOKafkaProducer, topic: str) -> list[int]:
+        """Partitions of ``topic``; TopicMissing when metadata says it does not exist."""
+        parts = self.partitions.get(topic)
+        if parts is not None:
+            return parts
+        client = producer.client
+        known = client.cluster.partitions_for_topic(topic)
+        if known is None:
+            # Ask the broker (aiokafka's own wait would poll for request_timeout_ms).
+            client.add_topic(topic)
+            if not await asyncio.wait_for(client.force_metadata_update(), 10.0):
+                raise BrokerUnavailable("Kafka unavailable: metadata request failed")
+            if topic in client.cluster.unauthorized_topics:
+                raise RecordRejected(f"not authorized to write to Kafka topic {topic!r}")
+            known = client.cluster.partitions_for_topic(topic)
+            if known is None:
+                if topic not in self._missing:
+                    self._missing.add(topic)
+                    log.warning(
+                        "Kafka topic missing; its rows wait in the outbox (no attempts counted) "
+                        "until it exists: outbox topics ensure --topic %s",
+                        topic,
+                        extra={"topic": topic},
+                    )
+                raise TopicMissing(topic)
+        if topic in self._missing:
+            self._missing.discard(topic)
+            log.info("Kafka topic exists now; publishing its rows", extra={"topic": topic})
+        parts = sorted(known)
+        self.partitions[topic] = parts
+        return parts
+
+    def _partition(self, topic: str, parts: list[int], key: bytes) -> int:
+        cache = self._key_partition.setdefault(topic, {})
+        p = cache.get(key)
+        if p is None:
+            if len(cache) > _KEY_CACHE_LIMIT:
+                cache.clear()
+            p = cache[key] = parts[(murmur2(key) & 0x7FFFFFFF) % len(parts)]
+        return p
+
+    def topic_missing(self, topic: str) -> None:
+        """Ask Kafka for ``topic`` again next time (its rows went back: it does not exist)."""
+        self.partitions.pop(topic, None)
+        self._key_partition.pop(topic, None)
+
+    async def plan(
+        self, rows: Sequence[ClaimedRow], outcome: Outcome, claimed_at: float
+    ) -> dict[tuple[str, int], Batches]:
+        """Pack the rows into record batches per partition (in row order); rows that cannot
+        go now (too large, topic missing, partition held back) are reported in ``outcome``.
+        ``claimed_at``: the loop time before the claim began (rows of partitions held back
+        since then wait)."""
+        # Any running producer answers metadata and builds batches (the same for all).
+        producer = self._pool.running() or await self._pool.start(0)
+        limit = self._settings.max_payload_bytes
+        plan: dict[tuple[str, int], Batches] = {}
+        refused: dict[tuple[str, int], PartitionUnavailable | None] = {}
+        parts_of: dict[str, list[int] | Exception] = {}
+        sticky: dict[str, int] = {}
+        for i, row in enumerate(rows):
+            topic = row[TOPIC]
+            parts = parts_of.get(topic)
+            if parts is None:
+                try:
+                    parts = await self.partitions_for(producer, topic)
+                except (RecordRejected, TopicMissing) as exc:
+                    parts = exc
+                parts_of[topic] = parts
+            if isinstance(parts, Exception):
+                outcome.failed[i] = parts
+                continue
+            key: bytes | None = row[KEY]
+            if key is None:
+                partition = sticky.setdefault(topic, random.choice(parts))
+            else:
+                partition = self._partition(topic, parts, key)
+            tp = (topic, partition)
+            if tp not in refused:
+                refused[tp] = self._health.refusal(tp, claimed_at)
+            unavailable = refused[tp]
+            if unavailable is not None:
+                outcome.failed[i] = unavailable
+                continue
+            payload: bytes | None = row[PAYLOAD]  # None: a tombstone
+            headers = [
+                ("ce_id", row[CE_ID].encode()),
+                ("ce_type", row[EVENT_TYPE].encode()),
+                ("ce_source", row[SOURCE].encode()),
+                ("ce_time", row[CE_TIME].encode()),
+                ("ce_specversion", _SPEC),
+            ]
+            if row[CONTENT_TYPE] is not None:  # a tombstone has no content to describe
+                headers.append(("content-type", row[CONTENT_TYPE].encode()))
+            own = len(headers)
+            if row[HEADERS] != "{}":
+                headers.extend((k, v.encode()) for k, v in json.loads(row[HEADERS]).items())
+            size = len(payload or b"") + len(key or b"") + sum(len(v) for _, v in headers[own:])
+            if size > limit:
+                outcome.failed[i] = RecordTooLarge(size, limit)
+                continue
+            batches = plan.get(tp)
+            if batches is None:
+                self._pool.index_of(tp)  # assigned now, before any delivery looks it up
+                batches = plan[tp] = [(producer.create_batch(), [])]
+            builder, idx = batches[-1]
+            if builder.append(key=key, value=payload, timestamp=None, headers=headers) is None:
+                builder, idx = producer.create_batch(), []
+                batches.append((builder, idx))
+                # A fresh batch always takes its first record, however large.
+                builder.append(key=key, value=payload, timestamp=None, headers=headers)
+            idx.append(i)
+        return plan

@@ -1,0 +1,162 @@
+"""The relay's producers: up to ``relay.producers`` idempotent producers, each serving the
+partitions mapped to it, started on first use and replaced alone when one breaks.
+
+Why several: Kafka answers a produce request once every partition in it is acknowledged,
+and one connection serves one request at a time; a single producer would tie every
+partition a broker leads to the slowest of them (with ``acks=all``, to any partition
+waiting for a dead in-sync replica). A partition keeps its producer for the life of the
+relay (a producer's sequence numbers order that partition's batches); a replaced producer's
+successor takes over its partitions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+from aiokafka import AIOKafkaProducer, TopicPartition
+from aiokafka import errors as kerr
+
+from outbox import kafka_room
+from outbox.daemon import kafka_producer, start_kafka
+from outbox.settings import OutboxSettings
+from relay.brokers import BrokerView
+from relay.outcome import classify
+
+log = logging.getLogger("relay.publisher")
+
+
+class ProducerPool:
+    def __init__(self, settings: OutboxSettings, brokers: BrokerView) -> None:
+        self._settings = settings
+        self._brokers = brokers
+        # Producer i serves the partitions mapped to it (any one answers metadata questions
+        # and builds batches).
+        self._producers: list[AIOKafkaProducer | None] = [None] * settings.relay.producers
+        self._starting: dict[int, asyncio.Task[AIOKafkaProducer]] = {}
+        self._index_of: dict[tuple[str, int], int] = {}
+        self._closing: set[asyncio.Task[None]] = set()  # retired producers, flushing
+
+    def running(self) -> AIOKafkaProducer | None:
+        """Any running producer (its client knows the cluster), or None."""
+        return next((p for p in self._producers if p is not None), None)
+
+    def index_of(self, tp: tuple[str, int]) -> int:
+        """The producer serving ``tp``: assigned round-robin on first sight, then kept."""
+        index = self._index_of.get(tp)
+        if index is None:
+            index = self._index_of[tp] = len(self._index_of) % len(self._producers)
+        return index
+
+    def serving(self, tp: tuple[str, int]) -> AIOKafkaProducer | None:
+        """The running producer that serves ``tp``, if any."""
+        return self._producers[self._index_of.get(tp, 0)]
+
+    def leader(self, tp: tuple[str, int]) -> int | None:
+        """``tp``'s leader as the producers' metadata has it."""
+        producer = self.serving(tp) or self.running()
+        if producer is None:
+            return None
+        leader = producer.client.cluster.leader_for_partition(TopicPartition(*tp))
+        return None if leader is None else int(leader)
+
+    def _new_producer(self, bootstrap: str) -> AIOKafkaProducer:
+        r = self._settings.relay
+        producer = kafka_producer(
+            self._settings,
+            bootstrap_servers=bootstrap,
+            client_id="outbox-relay",
+            acks="all",
+            enable_idempotence=True,
+            linger_ms=r.linger_ms,
+            max_batch_size=r.max_batch_bytes,
+            # Larger than any single batch we build, so one request can carry a batch for
+            # every partition of the claim.
+            max_request_size=max(r.max_batch_bytes, self._settings.max_payload_bytes) * 4,
+            request_timeout_ms=int(r.ack_timeout_seconds * 1000),
+            retry_backoff_ms=200,
+        )
+        kafka_room.prefer_brokers(producer, self._brokers.pick_node)
+        return producer
+
+    async def start(self, index: int) -> AIOKafkaProducer:
+        """Producer ``index``, started if it is not (one start at a time per index);
+        raises the classified error when Kafka cannot be reached."""
+        producer = self._producers[index]
+        if producer is not None:
+            return producer
+        task = self._starting.get(index)
+        if task is None:
+            task = self._starting[index] = asyncio.ensure_future(self._connect(index))
+            task.add_done_callback(lambda _: self._starting.pop(index, None))
+        return await asyncio.shield(task)
+
+    async def _connect(self, index: int) -> AIOKafkaProducer:
+        bootstrap = self._brokers.bootstrap()
+        producer = self._new_producer(bootstrap)
+        started = asyncio.get_running_loop().time()
+        try:
+            await start_kafka(producer, self._settings)
+        except BaseException as exc:  # stop() cancels a start: it must not leak either
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(producer.stop(), 2.0)
+            if isinstance(exc, Exception):
+                raise classify(exc) from exc
+            raise
+        # Registered here, before anyone waiting for this start resumes: once the start is
+        # done a caller arriving before them would find neither a producer nor a start and
+        # start a second one, used for its batches but never kept — so never closed, and
+        # never replaced when a partition it sent to stalls (the stall then lasted until its
+        # batch timed out).
+        self._producers[index] = producer
+        log.debug(
+            "producer %d started in %.2f s (bootstrap %s)",
+            index,
+            asyncio.get_running_loop().time() - started,
+            bootstrap,
+        )
+        return producer
+
+    def retire(self, producer: AIOKafkaProducer, why: str) -> bool:
+        """Take a broken producer out of service (a new producer id restarts the sequence
+        numbers); the next batch of its partitions starts a new one. False when it was
+        retired already (several of its partitions said so)."""
+        if producer not in self._producers:
+            return False
+        log.debug("producer replaced: %s", why)
+        for i, current in enumerate(self._producers):
+            if current is producer:
+                self._producers[i] = None
+        # Its queued batches may still be acknowledged (copies of rows that are back in the
+        # outbox: duplicates, never reordered); let it flush in the background.
+        flush = self._settings.relay.ack_timeout_seconds
+        task = asyncio.ensure_future(self._close(producer, flush))
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+        return True
+
+    async def stop(self, within: float) -> None:
+        producers = [p for p in self._producers if p is not None]
+        self._producers = [None] * len(self._producers)
+        for task in [*self._closing, *self._starting.values()]:
+            task.cancel()
+        await asyncio.gather(*(self._close(p, within) for p in producers))
+
+    async def _close(self, producer: AIOKafkaProducer, within: float = 2.0) -> None:
+        # stop() flushes, and a batch waiting on a dead or hung broker never finishes. Rows
+        # not acked are still in the database, so failing what is still queued loses
+        # nothing; then the producer closes its sender and connections instead of retrying
+        # forever. (aiokafka has no public "close without flushing".)
+        stopping = asyncio.ensure_future(producer.stop())
+        try:
+            await asyncio.wait({stopping}, timeout=within)
+            if not stopping.done():
+                kafka_room.abandon_queued(producer, kerr.ProducerClosed())
+                # The sender waits for its requests in flight (at most the request timeout).
+                await asyncio.wait({stopping}, timeout=self._settings.relay.ack_timeout_seconds)
+            if stopping.done() and not stopping.cancelled() and stopping.exception():
+                log.debug("producer stop failed: %r", stopping.exception())
+        finally:
+            if not stopping.done():
+                stopping.cancel()
