@@ -8,6 +8,7 @@ Their order relative to later events of the same key was given up when Kafka rej
 from __future__ import annotations
 
 import datetime as dt
+import logging
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -17,7 +18,10 @@ import psycopg
 from outbox.db import unavailable
 from outbox.errors import SchemaMissing
 from outbox.settings import OutboxSettings
-from relay.store import RelayStore
+from relay.metrics import RelayMetrics
+from relay.store import CE_ID, TOPIC, ClaimedRow, RelayStore
+
+log = logging.getLogger("relay")
 
 
 @dataclass(frozen=True)
@@ -30,6 +34,18 @@ class FailedRow:
     last_error: str | None
     failed_at: dt.datetime
     payload_bytes: int | None  # None: a tombstone
+
+
+def report_moved(dead: Sequence[tuple[ClaimedRow, int, str]], metrics: RelayMetrics) -> None:
+    """Log and count events just moved to the failed table (by either source): one ERROR
+    line each, with what Kafka said."""
+    for row, attempts, err in dead:
+        log.error(
+            "event moved to failed after %d attempts",
+            attempts,
+            extra={"event_id": row[CE_ID], "topic": row[TOPIC], "error": err},
+        )
+    metrics.failed.inc(len(dead))
 
 
 @contextmanager

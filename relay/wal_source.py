@@ -46,6 +46,7 @@ from outbox.resilience.retry import RetryPolicy
 from outbox.settings import OutboxSettings
 from relay import pgoutput
 from relay.errors import PartitionUnavailable, ProducerBroken, RecordRejected, SlotLost, SlotMissing
+from relay.failed import report_moved
 from relay.kafka_state import KafkaState
 from relay.metrics import RelayMetrics
 from relay.publisher import Publisher
@@ -563,10 +564,4 @@ class WalSource:
             rows, [d[1] for d in dead], [d[2] for d in dead], [0.0] * len(dead)
         ):
             await conn.execute(store.move_to_failed, params)
-        for row, attempts, err in dead:
-            log.error(
-                "event moved to failed after %d attempts",
-                attempts,
-                extra={"event_id": row[CE_ID], "topic": row[TOPIC], "error": err},
-            )
-        self._metrics.failed.inc(len(dead))
+        report_moved(dead, self._metrics)

@@ -8,7 +8,6 @@ On a PostgreSQL cluster of the test's own (tests/support/private_pg.py): lowerin
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,20 +16,11 @@ from outbox import migrate
 from outbox.db import sync_engine
 from outbox.settings import OutboxSettings, WalSettings
 from tests.support.kafka import create_topic
-from tests.support.private_pg import PrivatePostgres, PrivatePostgresFailed, private_postgres
+from tests.support.private_pg import PrivatePostgres
 from tests.support.relay import RelayProcess, publish_numbered, read_ids, relay_env
 from tests.support.wal import wal_env
 
 pytestmark = pytest.mark.acceptance
-
-
-@pytest.fixture
-def pg() -> Iterator[PrivatePostgres]:
-    try:
-        with private_postgres(size_mb=64) as found:
-            yield found
-    except PrivatePostgresFailed as exc:
-        pytest.fail(str(exc), pytrace=False)
 
 
 async def test_an_invalidated_slot_stops_the_relay_with_exit_2_and_one_line(
