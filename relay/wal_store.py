@@ -87,3 +87,22 @@ class WalStore:
         return sql.SQL(
             "SELECT nextval(pg_get_serial_sequence({}, 'id')) FROM generate_series(1, %(n)s)"
         ).format(sql.Literal(events))
+
+    @cached_property
+    def failed_take(self) -> sql.Composed:
+        """Remove failed rows (all when %(ids)s is NULL) to publish them again as WAL
+        messages (``outbox failed retry`` in WAL mode), oldest id first; returns what a
+        message needs. Their emission goes in the same transaction."""
+        failed = sql.Identifier(self.settings.db_schema, f"{self.settings.table_prefix}failed")
+        return sql.SQL(
+            "WITH moved AS (DELETE FROM {failed}"
+            " WHERE %(ids)s::int8[] IS NULL OR id = ANY(%(ids)s::int8[]) RETURNING *)"
+            " SELECT id, event_id, topic, key, event_type, source, content_type, payload,"
+            " headers::text FROM moved ORDER BY id"
+        ).format(failed=failed)
+
+    # Params: prefix, contents (bytea[]): one message each, in order.
+    emit = (
+        "SELECT pg_logical_emit_message(true, %(prefix)s, c)"
+        " FROM unnest(%(contents)s::bytea[]) WITH ORDINALITY AS m(c, ord) ORDER BY ord"
+    )

@@ -25,6 +25,7 @@ from outbox.tables import build_tables
 from tests.support.kafka import create_topic, free_port
 from tests.support.relay import (
     RelayProcess,
+    outbox_cli,
     peak_rss_mib,
     publish_numbered,
     read_ids,
@@ -47,18 +48,18 @@ def _env(settings: OutboxSettings, **extra: str) -> dict[str, str]:
     return relay_env(settings, **wal_env(settings), **extra)
 
 
-def _metrics_when(port: int, line: str, timeout: float = 30) -> str:
-    """The relay's /metrics once it shows ``line`` (gauges are read every few seconds)."""
-    found = ""
+def _metrics_when(port: int, wanted: Callable[[list[str]], bool], timeout: float = 30) -> None:
+    """Until the relay's /metrics shows what is ``wanted`` (gauges are read every few
+    seconds)."""
+    found: list[str] = []
 
     def shows() -> bool:
         nonlocal found
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as answer:
-            found = answer.read().decode()
-        return line in found.splitlines()
+            found = answer.read().decode().splitlines()
+        return wanted(found)
 
     assert _wait_for(shows, timeout), found
-    return found
 
 
 def _wait_for(what: Callable[[], bool], timeout: float) -> bool:
@@ -124,9 +125,16 @@ async def test_round_trip_in_key_order_with_every_envelope_field(
     try:
         records = await read_ids(settings.kafka_bootstrap_servers, topic, [*ids, str(tomb[0])])
         assert relay.alive(), relay.log()[-3000:]
-        # The slot's gauges: wal_status reserved (0), a lag measured (not -1: unknown).
-        metrics = await asyncio.to_thread(_metrics_when, port, "outbox_relay_wal_slot_status 0.0")
-        assert "outbox_relay_wal_lag_seconds -1.0" not in metrics, metrics
+        # The slot's gauges: wal_status reserved (0) and, once reading, a lag measured (not
+        # -1: unknown, as on a standby).
+        await asyncio.to_thread(
+            _metrics_when,
+            port,
+            lambda lines: (
+                "outbox_relay_wal_slot_status 0.0" in lines
+                and "outbox_relay_wal_lag_seconds -1.0" not in lines
+            ),
+        )
         code, _ = relay.terminate()
     finally:
         relay.kill()
@@ -253,6 +261,16 @@ async def test_a_refused_event_goes_to_the_failed_table_and_the_slot_moves_on(
         with engine.begin() as conn:
             after = ob.publish(conn, topic=topic, key="a", event_type="t", payload={"n": 3})
         records += await read_ids(kafka_bootstrap, topic, [str(after)])
+        # `outbox failed retry` in WAL mode puts it back into the WAL (not into the outbox
+        # table, which no WAL relay reads and which would hold the slot back): it is read
+        # again, refused again, and lands in the failed table again.
+        retried = await asyncio.to_thread(outbox_cli, "failed", "retry", "--all", env=env)
+        assert retried.returncode == 0 and "requeued 1" in retried.stdout, retried
+        again = await asyncio.to_thread(
+            _wait_for, lambda: relay.log().count("moved to failed") == 2, 60
+        )
+        assert again, relay.log()[-3000:]
+        assert _count(engine, build_tables(settings).events.fullname) == 0
         assert relay.alive(), relay.log()[-3000:]
         code, _ = relay.terminate()
     finally:
