@@ -396,3 +396,34 @@ async def test_switching_from_table_to_wal_under_a_stream_keeps_every_key_in_ord
         wal_relay.kill()
     v = verdict(records, ids)
     assert (v.lost, v.out_of_order, v.unexpected) == (0, 0, 0), v
+
+
+async def test_an_idle_slot_keeps_advancing_through_heartbeats(
+    engine: Engine, settings: OutboxSettings, tmp_path: Path
+) -> None:
+    # No event at all, only other writes: without the relay's transactional heartbeat the
+    # slot would have no commit to confirm and would hold all that WAL.
+    env = _env(settings, OUTBOX_WAL__HEARTBEAT_SECONDS="0.5")
+    relay = RelayProcess(env, tmp_path, "idle")
+    try:
+        with engine.begin() as conn:
+            conn.execute(text("CREATE TEMP TABLE busy AS SELECT generate_series(1, 1000) g"))
+            now = str(conn.execute(text("SELECT pg_current_wal_lsn()::text")).scalar_one())
+
+        def past_now() -> bool:
+            with engine.connect() as conn:
+                return bool(
+                    conn.execute(
+                        text(
+                            "SELECT confirmed_flush_lsn >= CAST(:now AS pg_lsn)"
+                            " FROM pg_replication_slots WHERE slot_name = :slot"
+                        ),
+                        {"now": now, "slot": settings.wal.slot},
+                    ).scalar_one()
+                )
+
+        moved = await asyncio.to_thread(_wait_for, past_now, 30)
+        assert moved, relay.log()[-3000:]
+        assert relay.alive()
+    finally:
+        relay.kill()
