@@ -47,7 +47,7 @@ from aiokafka import TopicPartition
 from dotenv import dotenv_values
 from sqlalchemy.engine import make_url
 
-from bench import tracing
+from bench import tracing, wal
 from bench.common import create_topic, delete_topics
 from outbox import Outbox, migrate
 from outbox.daemon import kafka_consumer, kafka_environment, kafka_producer
@@ -122,6 +122,9 @@ def relay_env(settings: OutboxSettings) -> dict[str, str]:
     env.update(
         OUTBOX_DATABASE_URL=settings.database_url.get_secret_value(),
         OUTBOX_DB_SCHEMA=settings.db_schema,
+        OUTBOX_SOURCE=settings.source,
+        OUTBOX_WAL__SLOT=settings.wal.slot,
+        OUTBOX_WAL__PUBLICATION=settings.wal.publication,
         **kafka_environment(settings),
     )
     return env
@@ -147,6 +150,16 @@ def start_relays(
         )
         for i in range(n)
     ]
+
+
+def start_relay(settings: OutboxSettings, logs: Path, name: str) -> subprocess.Popen[bytes]:
+    """One relay at INFO (its start-up lines say when it is ready), its log in ``name``."""
+    return subprocess.Popen(
+        [own_outbox(), "relay"],
+        env=relay_env(settings),
+        stdout=(logs / name).open("wb"),
+        stderr=subprocess.STDOUT,
+    )
 
 
 def stop_relays(procs: list[subprocess.Popen[bytes]]) -> None:
@@ -584,6 +597,34 @@ def held_snapshot_run(
     return results
 
 
+def held_snapshot_wal(
+    settings: OutboxSettings, args: argparse.Namespace, logs: Path
+) -> dict[str, float]:
+    """The held-snapshot run on the WAL source: latency at a steady rate without and with
+    a snapshot held, then the backlog drained without and with one."""
+    print(f"load: {os.cpu_count()} cores, loadavg {os.getloadavg()[0]:.2f}; source wal")
+    results = asyncio.run(
+        held_latency(settings, args.rate or 2000, args.held_snapshot, LATENCY_WINDOW, logs)
+    )
+    for held in (False, True):
+        rate = wal.drain(
+            settings,
+            start_relay,
+            wal.fill_wal,
+            args.partitions,
+            args.rows,
+            logs,
+            held_snapshot(settings) if held else None,
+        )
+        results["drain_held" if held else "drain"] = rate
+        print(
+            f"{args.rows} backlog, 1 WAL relay, {'snapshot held' if held else 'no snapshot'}: "
+            f"{rate:,.0f} events/s (loadavg {os.getloadavg()[0]:.2f})"
+        )
+    print(f"drain held / free: {results['drain_held'] / results['drain']:.2f} (target >= 0.8)")
+    return results
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--rows", type=int, default=200_000)
@@ -611,6 +652,12 @@ def main() -> None:
         "executable draining the same backlog, alternately, --pairs times",
     )
     ap.add_argument("--pairs", type=int, default=3)
+    ap.add_argument(
+        "--source",
+        help="only compare the relay's sources draining the same backlog, one relay each, "
+        "alternately, --pairs times: table, wal or table,wal (with --held-snapshot: the "
+        "held-snapshot run on that source); see bench/wal.py",
+    )
     args = ap.parse_args()
 
     base = OutboxSettings()
@@ -638,6 +685,21 @@ def main() -> None:
             secured = with_kafka_from(settings, args.kafka_security)
             results = dict(compare_security(settings, secured, args.rows, args.partitions, logs))
             print(json.dumps(results))
+            return
+        if args.source and args.held_snapshot:
+            with wal.wal_mode(settings) as own:
+                print(json.dumps(held_snapshot_wal(own, args, logs)))
+            return
+        if args.source:
+            sources = args.source.split(",")
+            print(
+                f"load: {os.cpu_count()} cores, loadavg {os.getloadavg()[0]:.2f}; "
+                f"backlog {args.rows} events of ~300 B, {KEYS} keys, {args.partitions} partitions"
+            )
+            medians = wal.compare(
+                settings, start_relay, fill, sources, args.partitions, args.rows, args.pairs, logs
+            )
+            print(json.dumps(medians))
             return
         if args.held_snapshot:
             print(json.dumps(held_snapshot_run(settings, args, logs)))

@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import enum
+
 import typer
 from rich.table import Table
 
 import relay
 from cli.context import confirm, error, not_found, out, run, settings_of
 from outbox import aio
+
+
+class Source(enum.StrEnum):
+    table = "table"
+    wal = "wal"
+
 
 app = typer.Typer()  # merged into the root: `outbox relay` and `outbox failed ...`
 failed_app = typer.Typer(help="Rows Kafka rejected permanently.", no_args_is_help=True)
@@ -20,9 +28,16 @@ def relay_command(
     metrics_port: int | None = typer.Option(
         None, "--metrics-port", help="Serve Prometheus /metrics and /healthz on this port."
     ),
+    source: Source | None = typer.Option(
+        None,
+        "--source",
+        help="Read events from the outbox table or the WAL (default: OUTBOX_SOURCE).",
+    ),
 ) -> None:
-    """Publish outbox rows to Kafka until SIGTERM/SIGINT (then exit 0)."""
+    """Publish outbox events to Kafka until SIGTERM/SIGINT (then exit 0)."""
     settings = settings_of(ctx)
+    if source is not None:
+        settings = settings.model_copy(update={"source": source.value})
     daemon = relay.Relay(settings, metrics_port=metrics_port)
     run(lambda: aio.run(daemon.serve()))
 

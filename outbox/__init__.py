@@ -28,6 +28,7 @@ from outbox.errors import (
     PayloadTooLarge,
     SchemaMissing,
     TopicMissing,
+    UnsupportedInWalMode,
 )
 from outbox.producer import Outbox
 from outbox.settings import OutboxSettings, load_settings
@@ -50,6 +51,7 @@ __all__ = [
     "Tables",
     "Tombstone",
     "TopicMissing",
+    "UnsupportedInWalMode",
     "build_tables",
     "canonical_json",
     "idempotency_key",

@@ -198,7 +198,8 @@ def _sequence(value: int | None, key: bytes | None) -> str | None:
     return f"{value:020d}"
 
 
-def _fingerprint(topic: str, key: bytes | None, event_type: str, payload: bytes | None) -> bytes:
+def fingerprint(topic: str, key: bytes | None, event_type: str, payload: bytes | None) -> bytes:
+    """What identifies an event's content (stored with a row to spot a reused event_id)."""
     h = hashlib.sha256()
     for part in (topic.encode(), key, event_type.encode(), payload):
         # Length-prefix each part so that ("ab", "c") and ("a", "bc") differ; -1 marks None.
@@ -267,6 +268,6 @@ def prepare(message: Message, *, lanes: int, max_bytes: int, default_source: str
         content_type=content_type,
         payload=payload,
         headers=json.dumps(headers, separators=(",", ":")),
-        fingerprint=_fingerprint(message.topic, key, message.event_type, payload),
+        fingerprint=fingerprint(message.topic, key, message.event_type, payload),
         delay_seconds=float(message.delay_seconds),
     )

@@ -68,6 +68,19 @@ class PayloadTooLarge(PayloadError):
         self.limit = limit
 
 
+class UnsupportedInWalMode(PayloadError):
+    """A publish option the WAL source cannot honour (``source = "wal"``): a delay
+    (``delay_seconds``) needs a row that waits; the relay publishes a WAL message as soon
+    as it reads it. Refused rather than ignored: the event would go out early."""
+
+    def __init__(self, option: str) -> None:
+        super().__init__(
+            f"{option} is not supported with OUTBOX_SOURCE=wal (events in the WAL are "
+            "published as soon as they commit); publish without it, or use the table source"
+        )
+        self.option = option
+
+
 class PayloadMismatch(OutboxError):
     """An ``event_id`` was reused with a different topic, key, type or payload."""
 

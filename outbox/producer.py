@@ -15,16 +15,20 @@ from sqlalchemy import Connection
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 from sqlalchemy.orm import Session
 
-from outbox import envelope, tracing
+from outbox import envelope, tracing, wal_codec
 from outbox.db import translated_errors
 from outbox.envelope import Message, MessageFields, Row
-from outbox.errors import PayloadMismatch
+from outbox.errors import PayloadMismatch, UnsupportedInWalMode
 from outbox.settings import OutboxSettings
-from outbox.store import ProducerStore
+from outbox.store import ProducerStore, WalProducerStore
 from outbox.tables import build_tables
 
 SyncExecutor = Session | Connection
 AsyncExecutor = AsyncSession | AsyncConnection
+# WAL mode: events of one call share a message up to this many content bytes (always at
+# least one event per message). Fewer, larger messages cost the producer and the decoder
+# less per event; the cap keeps what the relay holds of one message small.
+WAL_MESSAGE_BYTES = 256 * 1024
 
 
 class Outbox:
@@ -41,6 +45,7 @@ class Outbox:
         self.settings = settings
         self.tables = build_tables(settings)
         self._store = ProducerStore(self.tables)
+        self._wal = WalProducerStore(settings.wal.prefix) if settings.source == "wal" else None
 
     # -- preparation and checks shared by both paths (no I/O) --------------------------
     def _prepare(self, messages: Iterable[Message]) -> list[Row]:
@@ -53,6 +58,23 @@ class Outbox:
             )
             for m in messages
         ]
+
+    def _wal_contents(self, rows: Sequence[Row]) -> list[bytes]:
+        """WAL mode: the rows as message contents, in order (see ``WAL_MESSAGE_BYTES``)."""
+        if any(r.delay_seconds for r in rows):
+            raise UnsupportedInWalMode("delay_seconds")
+        contents: list[bytes] = []
+        group: list[Row] = []
+        size = 0
+        for row in rows:
+            n = len(row.payload or b"") + len(row.key or b"") + len(row.headers) + 64
+            if group and size + n > WAL_MESSAGE_BYTES:
+                contents.append(wal_codec.encode(group))
+                group, size = [], 0
+            group.append(row)
+            size += n
+        contents.append(wal_codec.encode(group))
+        return contents
 
     @staticmethod
     def _not_inserted(rows: Sequence[Row], inserted: Iterable[uuid.UUID]) -> list[uuid.UUID]:
@@ -97,10 +119,20 @@ class Outbox:
         no-ops (a JSON payload counts as the same when its RFC 8785 canonical form is, so
         member order does not matter); a reused event_id with a different topic, key, type
         or payload raises :class:`PayloadMismatch`.
+
+        With ``source = "wal"`` the events become logical-decoding messages in the same
+        transaction instead (docs/howto/wal-source.md): a re-published id is published
+        again (the inbox dedupes it; no :class:`PayloadMismatch` check, there is no row to
+        compare with) and ``delay_seconds`` raises :class:`UnsupportedInWalMode`.
         """
         rows = self._prepare(messages)
         if not rows:
             return []
+        if self._wal is not None:
+            emit = self._wal.emit(self._wal_contents(rows))
+            with translated_errors():
+                session.execute(*emit)
+            return [r.event_id for r in rows]
         with translated_errors():
             result = session.execute(*self._store.insert(rows))
             missing = self._not_inserted(rows, result.scalars())
@@ -129,6 +161,11 @@ class Outbox:
         rows = self._prepare(messages)
         if not rows:
             return []
+        if self._wal is not None:
+            emit = self._wal.emit(self._wal_contents(rows))
+            with translated_errors():
+                await session.execute(*emit)
+            return [r.event_id for r in rows]
         with translated_errors():
             result = await session.execute(*self._store.insert(rows))
             missing = self._not_inserted(rows, result.scalars())

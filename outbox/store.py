@@ -26,6 +26,7 @@ from sqlalchemy import (
     cast,
     column,
     func,
+    literal,
     literal_column,
     select,
 )
@@ -155,6 +156,40 @@ class ProducerStore:
         return select(
             e.c.event_id, e.c.topic, e.c.key, e.c.event_type, e.c.content_type, e.c.payload
         ).where(e.c.event_id.in_(event_ids))
+
+
+@dataclass(frozen=True)
+class WalProducerStore:
+    """The producer's SQL in WAL mode (``source = "wal"``): transactional logical-decoding
+    messages under the configured prefix, written in the caller's transaction and decoded
+    (in commit order) only if it commits."""
+
+    prefix: str
+
+    @cached_property
+    def emit_one(self) -> Select[Any]:
+        return select(
+            func.pg_logical_emit_message(
+                literal(True), literal(self.prefix), bindparam("content", type_=LargeBinary())
+            )
+        )
+
+    @cached_property
+    def emit_many(self) -> Select[Any]:
+        contents = (
+            func.unnest(bindparam("contents", type_=ARRAY(LargeBinary())))
+            .table_valued(column("c"), with_ordinality="ord")
+            .render_derived(name="m")
+        )
+        # One statement for any number of messages, emitted in the given order.
+        return select(
+            func.pg_logical_emit_message(literal(True), literal(self.prefix), contents.c.c)
+        ).order_by(contents.c.ord)
+
+    def emit(self, contents: Sequence[bytes]) -> tuple[Select[Any], dict[str, Any]]:
+        if len(contents) == 1:
+            return self.emit_one, {"content": contents[0]}
+        return self.emit_many, {"contents": list(contents)}
 
 
 # -- the session probe (outbox/poolers.py): raw psycopg, catalog only --------------------------

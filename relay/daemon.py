@@ -32,6 +32,7 @@ from relay.pipeline import Pipeline
 from relay.publisher import Publisher
 from relay.store import RelayStore
 from relay.waiting import sleep_unless
+from relay.wal_source import WalSource
 
 log = logging.getLogger("relay")
 _PREFLIGHT_SECONDS = 10
@@ -51,6 +52,12 @@ class Relay:
         self.lanes = LaneManager(settings, self._store, self.metrics, self.cursors)
         self._publisher = Publisher(settings, self.metrics)
         self._kafka = KafkaState(RetryPolicy.from_settings(settings.retry), self.metrics)
+        # source = "wal": one reader of the replication slot instead of lanes and pipelines.
+        self.wal = (
+            WalSource(settings, self._publisher, self._kafka, self.metrics)
+            if settings.source == "wal"
+            else None
+        )
         self._stopping: asyncio.Event | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._session: SessionProbe | None = None
@@ -63,8 +70,9 @@ class Relay:
     def healthy(self) -> bool:
         """Lock connection up, every task alive and no background task of the publisher
         dead (what ``/healthz`` reports)."""
+        connected = self.lanes.connected if self.wal is None else self.wal.connected
         return (
-            self.lanes.connected
+            connected
             and bool(self._tasks)
             and not any(t.done() for t in self._tasks)
             and self._publisher.failure is None
@@ -122,6 +130,7 @@ class Relay:
             "relay starting",
             extra={
                 "relay_id": self.lanes.relay_id,
+                "source": s.source,
                 "database": s.safe_database_url,
                 "session": self._session.describe() if self._session else None,
                 "kafka": s.kafka_bootstrap_servers,
@@ -130,6 +139,38 @@ class Relay:
                 "metrics_port": self._metrics_port,
             },
         )
+        if self.wal is not None:
+            self._tasks = [
+                asyncio.create_task(self.wal.run(stopping), name="wal"),
+                asyncio.create_task(self.wal.watch(stopping), name="wal-gauges"),
+            ]
+        else:
+            self._tasks = self._table_tasks(stopping)
+        self._tasks.append(asyncio.create_task(self._report(stopping), name="status"))
+        stop_wait = asyncio.create_task(stopping.wait())
+        failure: BaseException | None = None
+        try:
+            done, _ = await asyncio.wait(
+                [*self._tasks, stop_wait], return_when=asyncio.FIRST_COMPLETED
+            )
+            for task in done:
+                if task is not stop_wait and not task.cancelled() and task.exception():
+                    failure = task.exception()
+                    if not isinstance(failure, ConfigurationError):  # the CLI's one line
+                        log.error(
+                            "relay task failed; stopping",
+                            extra={"task": task.get_name(), "error": repr(failure)},
+                        )
+        finally:
+            stopping.set()
+            stop_wait.cancel()
+            await self._shutdown(server)
+        if failure is not None:
+            raise failure
+
+    def _table_tasks(self, stopping: asyncio.Event) -> list[asyncio.Task[None]]:
+        """The table source: the lane manager, the horizon watch and the pipelines."""
+        s = self.settings
         crew = Crew(s.relay)
         pipelines = [
             Pipeline(
@@ -146,7 +187,7 @@ class Relay:
             for i in range(s.relay.pipelines)
         ]
         horizon = HorizonWatch(s, self._store, self.cursors, self.metrics, self.lanes.database)
-        self._tasks = [
+        tasks = [
             asyncio.create_task(self.lanes.run(stopping), name="lanes"),
             asyncio.create_task(horizon.run(stopping), name="horizon"),
         ] + [
@@ -154,29 +195,10 @@ class Relay:
             for i, p in enumerate(pipelines)
         ]
         if s.relay.cleanup_interval_seconds > 0:
-            self._tasks.append(
+            tasks.append(
                 asyncio.create_task(run_maintenance(s, stopping, self.cursors), name="maintenance")
             )
-        self._tasks.append(asyncio.create_task(self._report(stopping), name="status"))
-        stop_wait = asyncio.create_task(stopping.wait())
-        failure: BaseException | None = None
-        try:
-            done, _ = await asyncio.wait(
-                [*self._tasks, stop_wait], return_when=asyncio.FIRST_COMPLETED
-            )
-            for task in done:
-                if task is not stop_wait and not task.cancelled() and task.exception():
-                    failure = task.exception()
-                    log.error(
-                        "relay task failed; stopping",
-                        extra={"task": task.get_name(), "error": repr(failure)},
-                    )
-        finally:
-            stopping.set()
-            stop_wait.cancel()
-            await self._shutdown(server)
-        if failure is not None:
-            raise failure
+        return tasks
 
     async def _shutdown(self, server: WSGIServer | None) -> None:
         grace = self.settings.relay.shutdown_grace_seconds

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from outbox.errors import BrokerUnavailable, OutboxError
+from outbox.errors import BrokerUnavailable, ConfigurationError, OutboxError
 
 
 class RecordRejected(OutboxError):
@@ -46,3 +46,33 @@ class ProducerBroken(OutboxError):
     """The Kafka producer must be recreated (lost idempotence state, fenced, closed)."""
 
     retriable = True
+
+
+class WalRecordInvalid(ConfigurationError):
+    """pgoutput sent a record the WAL source cannot parse (not protocol version 1?)."""
+
+
+class SlotMissing(ConfigurationError):
+    """The WAL source's replication slot does not exist (at start: not set up yet)."""
+
+    def __init__(self, slot: str) -> None:
+        super().__init__(
+            f"replication slot {slot!r} does not exist in this database; create it and its "
+            "publication with `outbox wal setup` (if it existed before, the events it had "
+            "not confirmed are gone: see docs/howto/wal-source.md)"
+        )
+
+
+class SlotLost(ConfigurationError):
+    """The slot was dropped or invalidated under the relay: the events it had not
+    confirmed may be gone from the WAL. Never re-created silently."""
+
+    def __init__(self, slot: str, since: str | None, cause: str) -> None:
+        where = f"since LSN {since}" if since else "(its confirmed LSN is unknown)"
+        super().__init__(
+            f"replication slot {slot!r} lost ({cause}): events may be lost {where}; "
+            "compare what producers committed after that point with the topics, then "
+            "recreate the slot with `outbox wal setup` and restart the relay "
+            "(docs/howto/wal-source.md)"
+        )
+        self.since = since

@@ -8,16 +8,24 @@ Their order relative to later events of the same key was given up when Kafka rej
 from __future__ import annotations
 
 import datetime as dt
+import logging
+import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import psycopg
 
+from outbox import wal_codec
 from outbox.db import unavailable
+from outbox.envelope import Row
 from outbox.errors import SchemaMissing
 from outbox.settings import OutboxSettings
-from relay.store import RelayStore
+from relay.metrics import RelayMetrics
+from relay.store import CE_ID, TOPIC, ClaimedRow, RelayStore
+from relay.wal_store import WalStore
+
+log = logging.getLogger("relay")
 
 
 @dataclass(frozen=True)
@@ -30,6 +38,18 @@ class FailedRow:
     last_error: str | None
     failed_at: dt.datetime
     payload_bytes: int | None  # None: a tombstone
+
+
+def report_moved(dead: Sequence[tuple[ClaimedRow, int, str]], metrics: RelayMetrics) -> None:
+    """Log and count events just moved to the failed table (by either source): one ERROR
+    line each, with what Kafka said."""
+    for row, attempts, err in dead:
+        log.error(
+            "event moved to failed after %d attempts",
+            attempts,
+            extra={"event_id": row[CE_ID], "topic": row[TOPIC], "error": err},
+        )
+    metrics.failed.inc(len(dead))
 
 
 @contextmanager
@@ -57,11 +77,43 @@ def list_failed(
 
 
 def retry_failed(settings: OutboxSettings, ids: Sequence[int] | None) -> list[int]:
-    """Move failed rows (``None`` = all) back to the outbox with attempts reset."""
+    """Move failed rows (``None`` = all) back to the outbox with attempts reset; with
+    ``source = "wal"``, back into the WAL as messages (a WAL relay reads no outbox table,
+    and waits while it holds rows)."""
+    chosen = list(ids) if ids is not None else None
+    if settings.source == "wal":
+        return _retry_into_wal(settings, chosen)
     store = RelayStore(settings)
     with _connection(settings) as conn:
-        rows = conn.execute(store.failed_retry, {"ids": list(ids) if ids is not None else None})
+        rows = conn.execute(store.failed_retry, {"ids": chosen})
         return sorted(int(r[0]) for r in rows.fetchall())  # type: ignore[call-overload]
+
+
+def _retry_into_wal(settings: OutboxSettings, ids: list[int] | None) -> list[int]:
+    store = WalStore(settings)
+    with _connection(settings) as conn:
+        taken = conn.execute(store.failed_take, {"ids": ids}).fetchall()
+        if not taken:
+            return []
+        rows = [
+            Row(
+                event_id=uuid.UUID(str(event_id)),
+                topic=str(topic),
+                key=None if key is None else bytes(key),  # type: ignore[call-overload]
+                lane=0,
+                event_type=str(event_type),
+                source=str(source),
+                content_type=None if content_type is None else str(content_type),
+                payload=None if payload is None else bytes(payload),  # type: ignore[call-overload]
+                headers=str(headers),
+                fingerprint=b"",
+                delay_seconds=0.0,
+            )
+            for _, event_id, topic, key, event_type, source, content_type, payload, headers in taken
+        ]
+        contents = [wal_codec.encode([row]) for row in rows]
+        conn.execute(store.emit, {"prefix": settings.wal.prefix, "contents": contents})
+    return sorted(int(r[0]) for r in taken)  # type: ignore[call-overload]
 
 
 def purge_failed(

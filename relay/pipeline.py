@@ -39,6 +39,7 @@ from relay import tracing
 from relay.crew import Crew
 from relay.cursor import ClaimCursors
 from relay.errors import PartitionUnavailable, ProducerBroken, RecordRejected
+from relay.failed import report_moved
 from relay.kafka_state import KafkaState
 from relay.lanes import LaneManager
 from relay.metrics import RelayMetrics
@@ -46,7 +47,6 @@ from relay.outcome import Outcome
 from relay.publisher import Publisher
 from relay.store import (
     ATTEMPTS,
-    CE_ID,
     CLAIM_SESSION_SETTINGS,
     ID,
     LANE,
@@ -373,13 +373,7 @@ class Pipeline:
                 await conn.execute(store.move_to_failed, params)
                 if store.keep:
                     await conn.execute(store.delete_marked, {"id": params["id"]})
-            for row, attempts, err in dead:
-                log.error(
-                    "event moved to failed after %d attempts",
-                    attempts,
-                    extra={"event_id": row[CE_ID], "topic": row[TOPIC], "error": err},
-                )
-            self._metrics.failed.inc(len(dead))
+            report_moved(dead, self._metrics)
 
     def _after(
         self, rows: list[ClaimedRow], outcome: Outcome | None, started: float, ended: float

@@ -23,8 +23,19 @@ from sqlalchemy import Engine
 from outbox import migrate
 from outbox.db import sync_engine
 from outbox.settings import OutboxSettings
+from tests.support.private_pg import PrivatePostgres, PrivatePostgresFailed, private_postgres
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def pg() -> Iterator[PrivatePostgres]:
+    """A PostgreSQL cluster of the test's own (tests/support/private_pg.py)."""
+    try:
+        with private_postgres(size_mb=64) as found:
+            yield found
+    except PrivatePostgresFailed as exc:
+        pytest.fail(str(exc), pytrace=False)
 
 
 @dataclass(frozen=True)

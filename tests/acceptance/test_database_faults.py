@@ -40,7 +40,7 @@ from outbox.settings import OutboxSettings
 from outbox.tables import build_tables
 from tests.acceptance.conftest import ROOT, Cli, Daemons, relay_and_consumer
 from tests.support.inbox import ce_headers, effect_rows, effect_verdict, produce
-from tests.support.private_pg import PrivatePostgres, PrivatePostgresFailed, private_postgres
+from tests.support.private_pg import PrivatePostgres
 
 pytestmark = pytest.mark.acceptance
 
@@ -50,15 +50,6 @@ KEYS = 40
 def _pad() -> str:
     """4 KiB that PostgreSQL cannot compress: each stored payload takes its room on disk."""
     return base64.b64encode(os.urandom(3072)).decode()
-
-
-@pytest.fixture
-def pg() -> Iterator[PrivatePostgres]:
-    try:
-        with private_postgres(size_mb=64) as found:
-            yield found
-    except PrivatePostgresFailed as exc:
-        pytest.fail(str(exc), pytrace=False)
 
 
 @dataclass

@@ -1,0 +1,181 @@
+"""The relay's WAL source against its table source (issue 39), for ``bench.relay``:
+
+    python -m bench.relay --source table,wal          # one relay each, same 200k backlog
+    python -m bench.relay --source wal --held-snapshot 60
+
+The same backlog for both: 200,000 events of ~300 B over 1,000 keys. Each relay is started
+and ready (owning its lanes / reading the slot), then paused (SIGSTOP) while the backlog
+is committed — table: one INSERT of every row; WAL: ``publish_many`` of 100 events per
+transaction, as producers write it — and resumed; the clock runs from the resume until
+Kafka's end offsets have grown by the backlog. Sources alternate, ``--pairs`` times.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import statistics
+import subprocess
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import psycopg
+from aiokafka import TopicPartition
+
+from bench.common import create_topic
+from outbox import Message, Outbox
+from outbox.daemon import kafka_consumer
+from outbox.db import sync_engine
+from outbox.settings import OutboxSettings
+
+KEYS = 1000
+PAD = 250
+PER_TX = 100
+
+
+@contextlib.contextmanager
+def wal_mode(settings: OutboxSettings) -> Iterator[OutboxSettings]:
+    """``settings`` in WAL mode with a publication and slot of this run (dropped after:
+    a slot left behind holds WAL on the server for ever)."""
+    name = f"bench_{uuid.uuid4().hex[:8]}"
+    wal = settings.wal.model_copy(update={"slot": name, "publication": name})
+    own = settings.model_copy(update={"source": "wal", "wal": wal})
+    with psycopg.connect(own.libpq_dsn, autocommit=True) as conn:
+        conn.execute(f'CREATE PUBLICATION "{name}"')
+        conn.execute("SELECT pg_create_logical_replication_slot(%s, 'pgoutput')", [name])
+    try:
+        yield own
+    finally:
+        with psycopg.connect(own.libpq_dsn, autocommit=True) as conn:
+            for _ in range(100):
+                try:
+                    conn.execute(
+                        "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots"
+                        " WHERE slot_name = %s",
+                        [name],
+                    )
+                    break
+                except psycopg.errors.ObjectInUse:
+                    time.sleep(0.1)
+            conn.execute(f'DROP PUBLICATION IF EXISTS "{name}"')
+
+
+def fill_wal(settings: OutboxSettings, topic: str, rows: int) -> None:
+    """``rows`` events as producers in WAL mode write them: ``publish_many`` of ``PER_TX``."""
+    ob = Outbox(settings)
+    engine = sync_engine(settings)
+    try:
+        for first in range(0, rows, PER_TX):
+            with engine.begin() as conn:
+                ob.publish_many(
+                    conn,
+                    [
+                        Message(
+                            topic=topic,
+                            key=f"k{n % KEYS}",
+                            event_type="bench.event",
+                            source="urn:bench",
+                            payload={"n": n, "pad": "x" * PAD},
+                        )
+                        for n in range(first, min(first + PER_TX, rows))
+                    ],
+                )
+    finally:
+        engine.dispose()
+
+
+def _ready(logs: Path, name: str, marker: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while marker not in (logs / name).read_text(errors="replace"):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"relay not ready within {timeout} s; see {logs / name}")
+        time.sleep(0.1)
+
+
+def drain(
+    settings: OutboxSettings,
+    start_relay: Callable[[OutboxSettings, Path, str], subprocess.Popen[bytes]],
+    fill: Callable[[OutboxSettings, str, int], object],
+    partitions: int,
+    rows: int,
+    logs: Path,
+    held: contextlib.AbstractContextManager[None] | None = None,
+) -> float:
+    """Events/s of one relay of ``settings.source`` draining ``rows`` filled while it was
+    paused (see the module's docstring)."""
+    topic = asyncio.run(create_topic(settings, partitions))
+    name = f"relay-{settings.source}-{uuid.uuid4().hex[:4]}.log"
+    proc = start_relay(settings, logs, name)
+    try:
+        marker = "reading the slot" if settings.source == "wal" else "acquired lanes"
+        _ready(logs, name, marker)
+        proc.send_signal(signal.SIGSTOP)
+        with held or contextlib.nullcontext():
+            fill(settings, topic, rows)
+            return asyncio.run(_until_appended(settings, topic, partitions, rows, proc))
+    finally:
+        proc.send_signal(signal.SIGCONT)
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+async def _until_appended(
+    settings: OutboxSettings,
+    topic: str,
+    partitions: int,
+    rows: int,
+    proc: subprocess.Popen[bytes],
+) -> float:
+    consumer = kafka_consumer(settings, enable_auto_commit=False)
+    await consumer.start()
+    parts = [TopicPartition(topic, p) for p in range(partitions)]
+    try:
+        t0 = time.perf_counter()
+        proc.send_signal(signal.SIGCONT)
+        while sum((await consumer.end_offsets(parts)).values()) < rows:
+            if time.perf_counter() > t0 + 600:
+                raise RuntimeError(f"the relay did not drain {rows} events in 600 s")
+            await asyncio.sleep(0.02)
+        return rows / (time.perf_counter() - t0)
+    finally:
+        await consumer.stop()
+
+
+def compare(
+    table: OutboxSettings,
+    start_relay: Callable[[OutboxSettings, Path, str], subprocess.Popen[bytes]],
+    fill_table: Callable[[OutboxSettings, str, int], object],
+    sources: list[str],
+    partitions: int,
+    rows: int,
+    pairs: int,
+    logs: Path,
+) -> dict[str, float]:
+    """Median events/s per source over ``pairs`` alternating rounds."""
+    rates: dict[str, list[float]] = {s: [] for s in sources}
+    with wal_mode(table) as wal:
+        for i in range(pairs):
+            for source in sources:
+                if source == "wal":
+                    rate = drain(wal, start_relay, fill_wal, partitions, rows, logs)
+                else:
+                    rate = drain(table, start_relay, fill_table, partitions, rows, logs)
+                rates[source].append(rate)
+                print(
+                    f"round {i + 1} {source:5}: {rate:9,.0f} events/s "
+                    f"(loadavg {os.getloadavg()[0]:.2f})",
+                    flush=True,
+                )
+    medians = {s: statistics.median(r) for s, r in rates.items()}
+    for source, rate in medians.items():
+        print(f"median {source:5}: {rate:9,.0f} events/s over {pairs} round(s)")
+    if len(medians) == 2:
+        print(f"wal / table: {medians['wal'] / medians['table']:.2f} (target >= 1.5)")
+    return medians

@@ -1,0 +1,108 @@
+"""The WAL source's SQL (``source = "wal"``), in one place; relay/wal_source.py runs it.
+
+Everything goes over a plain SQL session (psycopg 3 has no replication protocol): the slot
+is read with ``pg_logical_slot_peek_binary_changes`` through pgoutput (which decodes
+logical messages when asked with ``messages``), and confirmed with
+``pg_replication_slot_advance`` once Kafka has acknowledged everything below the target.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+from functools import cached_property
+
+from psycopg import sql
+
+from outbox.settings import OutboxSettings
+from relay.store import namespaces
+
+
+def lsn_text(lsn: int) -> str:
+    """An LSN as PostgreSQL writes it (``16/B374D848``)."""
+    return f"{lsn >> 32:X}/{lsn & 0xFFFFFFFF:X}"
+
+
+def lsn_int(text: str) -> int:
+    high, low = text.split("/")
+    return (int(high, 16) << 32) | int(low, 16)
+
+
+@dataclass(frozen=True)
+class WalStore:
+    settings: OutboxSettings
+
+    @cached_property
+    def reader_lock(self) -> tuple[int, int]:
+        """The session advisory lock only the relay reading the slot holds: (namespace,
+        key). Its own namespace beside the table source's three, keyed by the slot name."""
+        base = namespaces(self.settings)[0] & 0x0FFFFFFF
+        return base | 0x40000000, zlib.crc32(self.settings.wal.slot.encode()) & 0x7FFFFFFF
+
+    @cached_property
+    def try_lock(self) -> sql.Composed:
+        ns, key = self.reader_lock
+        return sql.SQL("SELECT pg_try_advisory_lock({}, {})").format(
+            sql.Literal(ns), sql.Literal(key)
+        )
+
+    # Params: slot. confirmed_flush_lsn as text (NULL for a physical slot); whether the
+    # slot is a pgoutput slot of this database (slot names are server-wide).
+    slot_state = (
+        "SELECT confirmed_flush_lsn::text, wal_status,"
+        " plugin = 'pgoutput' AND database = current_database()"
+        " FROM pg_replication_slots WHERE slot_name = %(slot)s"
+    )
+
+    @cached_property
+    def peek(self) -> sql.Composed:
+        """Up to ``n`` changes from the slot's confirmed position (params: slot, n); whole
+        transactions: pgoutput hands over a transaction at its commit, so one transaction
+        larger than ``n`` comes in full (read it through a cursor, in pieces)."""
+        return sql.SQL(
+            "SELECT data FROM pg_logical_slot_peek_binary_changes(%(slot)s, NULL, %(n)s,"
+            " 'proto_version', '1', 'publication_names', {pub}, 'messages', 'true')"
+        ).format(pub=sql.Literal(self.settings.wal.publication))
+
+    # Params: slot, lsn (text).
+    advance = "SELECT pg_replication_slot_advance(%(slot)s, %(lsn)s::pg_lsn)"
+
+    # Params: prefix. A transactional message in a transaction of its own: its commit is a
+    # position the relay may confirm, so an idle slot keeps moving (a non-transactional one
+    # has no commit and would not).
+    heartbeat = "SELECT pg_logical_emit_message(true, %(prefix)s, ''::bytea)"
+
+    @cached_property
+    def table_pending(self) -> sql.Composed:
+        """Whether the outbox table holds unpublished rows (switching from the table source:
+        they are older than anything in the slot that follows them and go first)."""
+        events = sql.Identifier(self.settings.db_schema, f"{self.settings.table_prefix}events")
+        return sql.SQL("SELECT EXISTS (SELECT 1 FROM {} WHERE published_at IS NULL)").format(events)
+
+    @cached_property
+    def new_ids(self) -> sql.Composed:
+        """``n`` fresh ids from the outbox's identity (a failed row needs one: param n)."""
+        # Quoted: pg_get_serial_sequence parses the name (schema and prefix are validated).
+        events = f'"{self.settings.db_schema}"."{self.settings.table_prefix}events"'
+        return sql.SQL(
+            "SELECT nextval(pg_get_serial_sequence({}, 'id')) FROM generate_series(1, %(n)s)"
+        ).format(sql.Literal(events))
+
+    @cached_property
+    def failed_take(self) -> sql.Composed:
+        """Remove failed rows (all when %(ids)s is NULL) to publish them again as WAL
+        messages (``outbox failed retry`` in WAL mode), oldest id first; returns what a
+        message needs. Their emission goes in the same transaction."""
+        failed = sql.Identifier(self.settings.db_schema, f"{self.settings.table_prefix}failed")
+        return sql.SQL(
+            "WITH moved AS (DELETE FROM {failed}"
+            " WHERE %(ids)s::int8[] IS NULL OR id = ANY(%(ids)s::int8[]) RETURNING *)"
+            " SELECT id, event_id, topic, key, event_type, source, content_type, payload,"
+            " headers::text FROM moved ORDER BY id"
+        ).format(failed=failed)
+
+    # Params: prefix, contents (bytea[]): one message each, in order.
+    emit = (
+        "SELECT pg_logical_emit_message(true, %(prefix)s, c)"
+        " FROM unnest(%(contents)s::bytea[]) WITH ORDINALITY AS m(c, ord) ORDER BY ord"
+    )

@@ -1,0 +1,429 @@
+"""The relay's WAL source (issue 39) as a subprocess on real PostgreSQL and Kafka: events
+published as logical-decoding messages reach Kafka in per-key order, survive SIGKILLs of
+the reader (a standby takes over), a refused event goes to the failed table, and a slot
+lost under the relay stops it with exit 2 and one line."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import re
+import threading
+import time
+import urllib.request
+from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
+
+import pytest
+from sqlalchemy import Engine, text
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from outbox import TOMBSTONE, Message, Outbox, UnsupportedInWalMode
+from outbox.settings import OutboxSettings
+from outbox.tables import build_tables
+from tests.support.kafka import create_topic, free_port
+from tests.support.relay import (
+    RelayProcess,
+    outbox_cli,
+    peak_rss_mib,
+    publish_numbered,
+    read_ids,
+    read_slim,
+    relay_env,
+    verdict,
+)
+from tests.support.wal import confirmed_lsn, drop_slot, wal_env, wal_source
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def settings(isolated_settings: OutboxSettings) -> Iterator[OutboxSettings]:
+    with wal_source(isolated_settings) as own:
+        yield own
+
+
+def _env(settings: OutboxSettings, **extra: str) -> dict[str, str]:
+    return relay_env(settings, **wal_env(settings), **extra)
+
+
+def _metrics_when(port: int, wanted: Callable[[list[str]], bool], timeout: float = 30) -> None:
+    """Until the relay's /metrics shows what is ``wanted`` (gauges are read every few
+    seconds)."""
+    found: list[str] = []
+
+    def shows() -> bool:
+        nonlocal found
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as answer:
+            found = answer.read().decode().splitlines()
+        return wanted(found)
+
+    assert _wait_for(shows, timeout), found
+
+
+def _wait_for(what: Callable[[], bool], timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while not what():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+async def test_round_trip_in_key_order_with_every_envelope_field(
+    engine: Engine,
+    aengine: AsyncEngine,
+    settings: OutboxSettings,
+    new_topic: Callable[..., Awaitable[str]],
+    tmp_path: Path,
+) -> None:
+    topic = await new_topic(partitions=4)
+    ob = Outbox(settings)
+    # 40 keys, in transactions of 100 (publish_many) and one by one (publish).
+    ids = publish_numbered(engine, settings, topic, 4_000, keys=40)
+    with engine.begin() as conn:
+        for n in range(4_000, 4_040):
+            ids.append(
+                str(
+                    ob.publish(
+                        conn,
+                        topic=topic,
+                        key=f"k{n % 40}",
+                        event_type="test.numbered",
+                        payload={"key": f"k{n % 40}", "seq": n},
+                        headers={"x-trace": "t1"},
+                    )
+                )
+            )
+    async with aengine.begin() as aconn:
+        ids.append(
+            str(
+                await ob.publish_async(
+                    aconn,
+                    topic=topic,
+                    key="k0",
+                    event_type="test.numbered",
+                    payload={"key": "k0", "seq": 4_040},
+                    source="urn:async",
+                )
+            )
+        )
+        tomb = await ob.publish_many_async(
+            aconn,
+            [Message(topic=topic, key="gone", event_type="test.deleted", payload=TOMBSTONE)],
+        )
+    with engine.begin() as conn, pytest.raises(UnsupportedInWalMode):
+        ob.publish(conn, topic=topic, event_type="t", payload={}, delay_seconds=5)
+    # Nothing went through the outbox table.
+    events = build_tables(settings).events
+    with engine.connect() as conn:
+        assert conn.execute(text(f"SELECT count(*) FROM {events.fullname}")).scalar_one() == 0
+    before = confirmed_lsn(settings)
+    port = free_port()
+    relay = RelayProcess(_env(settings), tmp_path, "wal", "--metrics-port", str(port))
+    try:
+        records = await read_ids(settings.kafka_bootstrap_servers, topic, [*ids, str(tomb[0])])
+        assert relay.alive(), relay.log()[-3000:]
+        # The slot's gauges: wal_status reserved (0) and, once reading, a lag measured (not
+        # -1: unknown, as on a standby).
+        await asyncio.to_thread(
+            _metrics_when,
+            port,
+            lambda lines: (
+                "outbox_relay_wal_slot_status 0.0" in lines
+                and "outbox_relay_wal_lag_seconds -1.0" not in lines
+            ),
+        )
+        code, _ = relay.terminate()
+    finally:
+        relay.kill()
+    assert code == 0, relay.log()[-3000:]
+    numbered = [r for r in records if r.headers["ce_type"] == b"test.numbered"]
+    v = verdict(numbered, ids)
+    assert (v.lost, v.duplicates, v.out_of_order, v.unexpected) == (0, 0, 0, 0), v
+    by_id = {r.headers["ce_id"].decode(): r for r in records}
+    last = by_id[ids[-1]]
+    assert last.headers["ce_source"] == b"urn:async"
+    assert last.headers["content-type"] == b"application/json"
+    assert json.loads(last.value) == {"key": "k0", "seq": 4_040}
+    assert by_id[ids[-2]].headers["x-trace"] == b"t1"
+    assert by_id[ids[-2]].headers["ce_specversion"] == b"1.0"
+    assert by_id[ids[-2]].headers["ce_time"].endswith(b"Z")
+    gone = by_id[str(tomb[0])]
+    assert (gone.key, gone.value, "content-type" in gone.headers) == (b"gone", None, False)
+    # The slot was confirmed past everything it published.
+    after = confirmed_lsn(settings)
+    assert before is not None and after is not None and after != before
+
+
+async def test_sigkilled_readers_lose_nothing_and_a_standby_takes_over(
+    engine: Engine,
+    settings: OutboxSettings,
+    new_topic: Callable[..., Awaitable[str]],
+    tmp_path: Path,
+) -> None:
+    topic = await new_topic(partitions=6)
+    # Small batches with a linger keep batches in flight, so kills land between a send
+    # and the slot's advance; one reader still keeps up with the producer.
+    env = _env(
+        settings,
+        OUTBOX_RELAY__BATCH_SIZE="200",
+        OUTBOX_RELAY__LINGER_MS="100",
+        OUTBOX_RELAY__POLL_INTERVAL_SECONDS="0.2",
+    )
+    # Three relays: one reads, two stand by (warm), so every kill meets a standby.
+    relays = [RelayProcess(env, tmp_path, f"r{i}") for i in range(3)]
+    ids: list[str] = []
+
+    kills = takeovers = 0
+
+    def produce() -> None:
+        # Until 8 kills have landed mid-stream (at least 20,000 events, at most 60,000).
+        chunk = 0
+        while chunk < 600 and (chunk < 200 or kills < 8):
+            ids.extend(publish_numbered(engine, settings, topic, 100, keys=40, start=chunk * 100))
+            time.sleep(0.08)
+            chunk += 1
+
+    def reader(among: list[RelayProcess]) -> RelayProcess | None:
+        return next((r for r in among if "reading the slot" in r.log()), None)
+
+    producer = threading.Thread(target=produce)
+    producer.start()
+    rng = random.Random(11)
+    try:
+        while producer.is_alive():
+            await asyncio.sleep(rng.uniform(1.0, 2.5))
+            victim = reader(relays)
+            if victim is None:
+                continue
+            victim.kill()
+            kills += 1
+            others = [r for r in relays if r is not victim]
+            relays[relays.index(victim)] = RelayProcess(env, tmp_path, f"r-{kills}")
+            # A standby takes over (not the relay started in the victim's place).
+            if await asyncio.to_thread(_wait_for, lambda o=others: reader(o) is not None, 30):
+                takeovers += 1
+        producer.join()
+        records = await read_ids(settings.kafka_bootstrap_servers, topic, ids, 120)
+    finally:
+        for r in relays:
+            r.kill()
+    v = verdict(records, ids)
+    # Readers started from ever later confirmed positions: the slot advanced between kills.
+    starts = await asyncio.to_thread(_start_positions, tmp_path)
+    print(
+        f"wal chaos: {kills} SIGKILLs, {takeovers} takeovers, {v.duplicates} duplicates, "
+        f"{len(starts)} start positions"
+    )
+    assert len(starts) > kills // 2
+    assert v.duplicates > 0  # some kill did land between a send and the slot's advance
+    assert len(ids) >= 20_000 and kills >= 8 and takeovers == kills
+    assert (v.lost, v.out_of_order, v.unexpected) == (0, 0, 0), v
+
+
+def _start_positions(logs: Path) -> set[str]:
+    """The slot positions the relays logged when they began reading."""
+    text = "".join(p.read_text(errors="replace") for p in logs.glob("r*.log"))
+    return set(re.findall(r"confirmed_lsn=(\S+)", text))
+
+
+async def test_a_refused_event_goes_to_the_failed_table_and_the_slot_moves_on(
+    engine: Engine,
+    settings: OutboxSettings,
+    kafka_bootstrap: str,
+    tmp_path: Path,
+) -> None:
+    topic = await create_topic(kafka_bootstrap, None, 1, {"max.message.bytes": "2000"})
+    ob = Outbox(settings)
+    with engine.begin() as conn:
+        before = ob.publish_many(
+            conn,
+            [
+                Message(topic=topic, key="a", event_type="t", payload={"n": 1}),
+                Message(topic=topic, key="a", event_type="t", payload=b"x" * 5000),
+                Message(topic=topic, key="a", event_type="t", payload={"n": 2}),
+            ],
+        )
+    env = _env(settings, OUTBOX_RELAY__MAX_ATTEMPTS="2")
+    relay = RelayProcess(env, tmp_path, "wal")
+    try:
+        records = await read_ids(kafka_bootstrap, topic, [str(before[0]), str(before[2])])
+        failed = build_tables(settings).failed
+        found = await asyncio.to_thread(_wait_for, lambda: _count(engine, failed.fullname) == 1, 60)
+        assert found, relay.log()[-3000:]
+        with engine.connect() as conn:
+            row = conn.execute(
+                text(f"SELECT event_id::text, attempts, last_error FROM {failed.fullname}")
+            ).one()
+        # Events after it are not held back: the slot moves on.
+        with engine.begin() as conn:
+            after = ob.publish(conn, topic=topic, key="a", event_type="t", payload={"n": 3})
+        records += await read_ids(kafka_bootstrap, topic, [str(after)])
+        # `outbox failed retry` in WAL mode puts it back into the WAL (not into the outbox
+        # table, which no WAL relay reads and which would hold the slot back): it is read
+        # again, refused again, and lands in the failed table again.
+        retried = await asyncio.to_thread(outbox_cli, "failed", "retry", "--all", env=env)
+        assert retried.returncode == 0 and "requeued 1" in retried.stdout, retried
+        again = await asyncio.to_thread(
+            _wait_for, lambda: relay.log().count("moved to failed") == 2, 60
+        )
+        assert again, relay.log()[-3000:]
+        assert _count(engine, build_tables(settings).events.fullname) == 0
+        assert relay.alive(), relay.log()[-3000:]
+        code, _ = relay.terminate()
+    finally:
+        relay.kill()
+    assert code == 0
+    assert row[0] == str(before[1]) and row[1] == 2 and "Kafka rejected" in row[2]
+    assert str(before[1]) not in {r.headers["ce_id"].decode() for r in records}
+    assert "moved to failed" in relay.log()
+
+
+def _count(engine: Engine, table: str) -> int:
+    with engine.connect() as conn:
+        return int(conn.execute(text(f"SELECT count(*) FROM {table}")).scalar_one())
+
+
+async def test_a_slot_dropped_under_the_relay_stops_it_with_exit_2_and_one_line(
+    engine: Engine,
+    settings: OutboxSettings,
+    new_topic: Callable[..., Awaitable[str]],
+    tmp_path: Path,
+) -> None:
+    topic = await new_topic()
+    ids = publish_numbered(engine, settings, topic, 100)
+    relay = RelayProcess(_env(settings), tmp_path, "wal")
+    try:
+        await read_ids(settings.kafka_bootstrap_servers, topic, ids)
+        lsn = confirmed_lsn(settings)
+        await asyncio.to_thread(drop_slot, settings, 30)
+        code = await asyncio.to_thread(relay.proc.wait, 60)
+    finally:
+        relay.kill()
+    lines = [line for line in relay.log().splitlines() if "may be lost" in line]
+    assert code == 2, relay.log()[-3000:]
+    assert len(lines) == 1, relay.log()[-3000:]
+    assert f"since LSN {lsn}" in lines[0] and "outbox wal setup" in lines[0]
+    assert "SQLSTATE 42704" in lines[0] and "Traceback" not in relay.log()
+
+
+def test_a_missing_slot_at_start_exits_2_with_what_to_do(
+    settings: OutboxSettings, tmp_path: Path
+) -> None:
+    drop_slot(settings, 5)
+    relay = RelayProcess(_env(settings), tmp_path, "wal")
+    try:
+        code = relay.proc.wait(60)
+    finally:
+        relay.kill()
+    assert code == 2
+    assert "does not exist" in relay.log() and "outbox wal setup" in relay.log()
+    assert "Traceback" not in relay.log()
+
+
+async def test_a_50000_event_transaction_drains_with_bounded_relay_memory(
+    engine: Engine,
+    settings: OutboxSettings,
+    new_topic: Callable[..., Awaitable[str]],
+    tmp_path: Path,
+) -> None:
+    # 50,000 events of ~4 KB (~200 MB) committed in ONE transaction: pgoutput hands the
+    # transaction over whole, so the relay reads it through its cursor a batch's worth of
+    # bytes at a time, and its streams hold at most two batches each.
+    topic = await new_topic(partitions=6)
+    ob = Outbox(settings)
+    pad = "p" * 4000
+
+    def commit() -> list[str]:
+        with engine.begin() as conn:
+            return [
+                str(i)
+                for i in ob.publish_many(
+                    conn,
+                    (
+                        Message(
+                            topic=topic,
+                            key=f"k{n % 40}",
+                            event_type="test.large",
+                            payload={"key": f"k{n % 40}", "seq": n, "pad": pad},
+                        )
+                        for n in range(50_000)
+                    ),
+                )
+            ]
+
+    ids = await asyncio.to_thread(commit)
+    relay = RelayProcess(_env(settings), tmp_path, "huge")
+    try:
+        records = await read_slim(settings.kafka_bootstrap_servers, topic, ids, 300)
+        peak = peak_rss_mib(relay.pid)
+        code, _ = relay.terminate()
+    finally:
+        relay.kill()
+    print(f"50,000-event transaction (~200 MB): relay peak RSS {peak:.0f} MiB")
+    v = verdict(records, ids)
+    assert (v.lost, v.out_of_order, v.unexpected) == (0, 0, 0), v
+    assert peak < 300, f"relay peak RSS {peak:.0f} MiB"
+    assert code == 0, relay.log()[-3000:]
+
+
+async def test_switching_from_table_to_wal_under_a_stream_keeps_every_key_in_order(
+    engine: Engine,
+    settings: OutboxSettings,
+    new_topic: Callable[..., Awaitable[str]],
+    tmp_path: Path,
+) -> None:
+    # A table relay slowed down (small batches, long linger) has a backlog when the
+    # producer switches to the WAL: the WAL relay, running all along, must hold the WAL
+    # events until the table's older ones are out, or keys would go out of order.
+    topic = await new_topic(partitions=4)
+    table = settings.model_copy(update={"source": "table"})
+    slow = {"OUTBOX_RELAY__BATCH_SIZE": "20", "OUTBOX_RELAY__LINGER_MS": "50"}
+    table_relay = RelayProcess(relay_env(table, **slow), tmp_path, "table")
+    wal_relay = RelayProcess(_env(settings), tmp_path, "wal")
+    ids: list[str] = []
+    try:
+        for chunk in range(40):  # table mode: 4,000 events in 40 transactions
+            ids.extend(publish_numbered(engine, table, topic, 100, keys=40, start=chunk * 100))
+        for chunk in range(40, 80):  # switched: the next 4,000 go to the WAL
+            ids.extend(publish_numbered(engine, settings, topic, 100, keys=40, start=chunk * 100))
+        records = await read_ids(settings.kafka_bootstrap_servers, topic, ids, 180)
+        assert "they go first" in wal_relay.log(), wal_relay.log()[-3000:]
+    finally:
+        table_relay.kill()
+        wal_relay.kill()
+    v = verdict(records, ids)
+    assert (v.lost, v.out_of_order, v.unexpected) == (0, 0, 0), v
+
+
+async def test_an_idle_slot_keeps_advancing_through_heartbeats(
+    engine: Engine, settings: OutboxSettings, tmp_path: Path
+) -> None:
+    # No event at all, only other writes: without the relay's transactional heartbeat the
+    # slot would have no commit to confirm and would hold all that WAL.
+    env = _env(settings, OUTBOX_WAL__HEARTBEAT_SECONDS="0.5")
+    relay = RelayProcess(env, tmp_path, "idle")
+    try:
+        with engine.begin() as conn:
+            conn.execute(text("CREATE TEMP TABLE busy AS SELECT generate_series(1, 1000) g"))
+            now = str(conn.execute(text("SELECT pg_current_wal_lsn()::text")).scalar_one())
+
+        def past_now() -> bool:
+            with engine.connect() as conn:
+                return bool(
+                    conn.execute(
+                        text(
+                            "SELECT confirmed_flush_lsn >= CAST(:now AS pg_lsn)"
+                            " FROM pg_replication_slots WHERE slot_name = :slot"
+                        ),
+                        {"now": now, "slot": settings.wal.slot},
+                    ).scalar_one()
+                )
+
+        moved = await asyncio.to_thread(_wait_for, past_now, 30)
+        assert moved, relay.log()[-3000:]
+        assert relay.alive()
+    finally:
+        relay.kill()
