@@ -171,3 +171,7 @@ class WalSlotMismatch(WalSetupError):
     """A replication slot of the configured name exists but is not a logical ``pgoutput``
     slot of this database (physical, another plugin, or another database: slot names are
     server-wide)."""
+
+
+class WalRecordInvalid(ConfigurationError):
+    """pgoutput sent a record the WAL source cannot parse (not protocol version 1?)."""

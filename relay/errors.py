@@ -48,10 +48,6 @@ class ProducerBroken(OutboxError):
     retriable = True
 
 
-class WalRecordInvalid(ConfigurationError):
-    """pgoutput sent a record the WAL source cannot parse (not protocol version 1?)."""
-
-
 class SlotMissing(ConfigurationError):
     """The WAL source's replication slot does not exist (at start: not set up yet)."""
 

@@ -34,7 +34,7 @@ from typing import Any
 import psycopg
 from psycopg.rows import dict_row
 
-from outbox import envelope, wal_codec
+from outbox import envelope, pgoutput, wal_codec
 from outbox.db import unavailable, unprepared_connection
 from outbox.dberrors import is_transient
 from outbox.errors import DatabaseUnavailable, SchemaMissing, TopicMissing, WalSlotMismatch
@@ -44,7 +44,6 @@ from outbox.ops.wal_slot import SlotState
 from outbox.outages import Dependency
 from outbox.resilience.retry import RetryPolicy
 from outbox.settings import OutboxSettings
-from relay import pgoutput
 from relay.errors import PartitionUnavailable, ProducerBroken, RecordRejected, SlotLost, SlotMissing
 from relay.failed import report_moved
 from relay.kafka_state import KafkaState

@@ -23,10 +23,9 @@ from __future__ import annotations
 
 import os
 import secrets
-import struct
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import datetime
 from typing import Any
 
 import psycopg.errors
@@ -35,10 +34,12 @@ from sqlalchemy.dialects import postgresql
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.pool import NullPool
 
+from outbox import pgoutput
 from outbox.db import describe, sync_engine, translated_errors
 from outbox.errors import (
     WalLevelNotLogical,
     WalPrivilegeMissing,
+    WalRecordInvalid,
     WalSlotMismatch,
 )
 from outbox.ops.store import (
@@ -294,10 +295,6 @@ def _refused(exc: BaseException, what: str, admin: str) -> WalPrivilegeMissing:
     )
 
 
-# pgoutput (protocol 1) BEGIN: b"B", final LSN (int64), commit time (int64 microseconds
-# since 2000-01-01 UTC), xid (int32).
-_BEGIN = struct.Struct("!cqqi")
-_PG_EPOCH = datetime(2000, 1, 1, tzinfo=UTC)
 # Rows read from the probe: the first transaction's BEGIN is the first row unless
 # non-transactional messages (no BEGIN) come before it.
 _PROBE_ROWS = 16
@@ -305,10 +302,12 @@ _PROBE_ROWS = 16
 
 def commit_time(data: bytes) -> datetime | None:
     """The commit time in a pgoutput BEGIN message, None for any other message."""
-    if len(data) != _BEGIN.size or data[:1] != b"B":
+    if data[:1] != b"B":
         return None
-    _, _, micros, _ = _BEGIN.unpack(data)
-    return _PG_EPOCH + timedelta(microseconds=micros)
+    try:
+        return pgoutput.begin(data).moment
+    except WalRecordInvalid:
+        return None  # not a Begin this code can read: the lag is unknown, not wrong
 
 
 @dataclass(frozen=True)

@@ -1,18 +1,18 @@
 """The WAL message encoding (outbox/wal_codec.py) and the pgoutput records the relay reads
-(relay/pgoutput.py): round trips, and typed errors for what cannot be read."""
+(outbox/pgoutput.py): round trips, and typed errors for what cannot be read."""
 
 from __future__ import annotations
 
+import datetime as dt
 import struct
 import uuid
 
 import pytest
 
-from outbox import TOMBSTONE, wal_codec
+from outbox import TOMBSTONE, pgoutput, wal_codec
 from outbox.envelope import Message, prepare
+from outbox.errors import WalRecordInvalid
 from outbox.wal_codec import WalEvent, WalMessageInvalid, WalVersionUnknown
-from relay import pgoutput
-from relay.errors import WalRecordInvalid
 
 
 def _row(**fields: object) -> object:
@@ -117,7 +117,10 @@ def _message(prefix: str, content: bytes, transactional: bool = True) -> bytes:
 
 def test_pgoutput_records() -> None:
     begin = pgoutput.begin(_begin(0x1_0000_0010, 1_000_000))
-    assert begin == pgoutput.Begin(0x1_0000_0010, "2000-01-01T00:00:01.000000Z", 946_684_801.0)
+    assert begin == pgoutput.Begin(
+        0x1_0000_0010, "2000-01-01T00:00:01.000000Z", 946_684_801.0, 1_000_000
+    )
+    assert begin.moment == dt.datetime(2000, 1, 1, 0, 0, 1, tzinfo=dt.UTC)
     msg = pgoutput.message(_message("outbox", b"abc"))
     assert (msg.transactional, msg.lsn, msg.prefix, bytes(msg.content)) == (
         True,

@@ -1,7 +1,7 @@
 """The three pgoutput (protocol version 1) records the WAL source reads: Begin, logical
-Message and Commit. Every other record (relations, row changes, types, origins) is
-skipped: the publication carries no tables, and a table added to it by hand changes
-nothing here.
+Message and Commit (``outbox lag`` reads a Begin's commit time too). Every other record
+(relations, row changes, types, origins) is skipped: the publication carries no tables,
+and a table added to it by hand changes nothing here.
 
     B  int64 final LSN, int64 commit time (microseconds since 2000-01-01 UTC), int32 xid
     M  int8 flags (1 = transactional), int64 LSN, prefix (NUL-terminated), int32 n, n bytes
@@ -14,7 +14,7 @@ import datetime as dt
 import struct
 from typing import NamedTuple
 
-from relay.errors import WalRecordInvalid
+from outbox.errors import WalRecordInvalid
 
 BEGIN, MESSAGE, COMMIT = ord("B"), ord("M"), ord("C")
 _BEGIN = struct.Struct(">qqi")
@@ -29,6 +29,11 @@ class Begin(NamedTuple):
     final_lsn: int  # the commit record's LSN: orders transactions, names one
     commit_time: str  # CloudEvents `time` of its events (ISO 8601, UTC, microseconds)
     committed_at: float  # the same as Unix time (the slot's lag is measured from it)
+    micros: int  # the same as PostgreSQL has it: microseconds since 2000-01-01 UTC
+
+    @property
+    def moment(self) -> dt.datetime:
+        return _PG_EPOCH + dt.timedelta(microseconds=self.micros)
 
 
 class Message(NamedTuple):
@@ -52,7 +57,7 @@ def begin(data: bytes) -> Begin:
         final_lsn, commit_time, _ = _BEGIN.unpack_from(data, 1)
     except struct.error as exc:
         raise WalRecordInvalid(f"pgoutput Begin record: {exc}") from None
-    return Begin(final_lsn, _time(commit_time), _PG_EPOCH_UNIX + commit_time / 1e6)
+    return Begin(final_lsn, _time(commit_time), _PG_EPOCH_UNIX + commit_time / 1e6, commit_time)
 
 
 def message(data: bytes) -> Message:
