@@ -274,6 +274,11 @@ class WalSource:
         slot = self._settings.wal.slot
         state = await (await conn.execute(self._store.slot_state, {"slot": slot})).fetchone()
         if state is None:
+            if self.confirmed is not None:
+                # This process read the slot before (it went away while the reader was
+                # reconnecting): the events past what it confirmed may be gone.
+                since = lsn_text(self.confirmed)
+                raise SlotLost(slot, since, "dropped while the relay was reconnecting")
             raise SlotMissing(slot)
         confirmed, wal_status, ours = state
         if not ours:

@@ -306,7 +306,10 @@ async def test_a_slot_dropped_under_the_relay_stops_it_with_exit_2_and_one_line(
     assert code == 2, relay.log()[-3000:]
     assert len(lines) == 1, relay.log()[-3000:]
     assert f"since LSN {lsn}" in lines[0] and "outbox wal setup" in lines[0]
-    assert "SQLSTATE 42704" in lines[0] and "Traceback" not in relay.log()
+    # Read under the relay: undefined_object. Or the drop first cut the reader's session
+    # (object_in_use, a transient error) and the slot was gone when it came back.
+    assert "SQLSTATE 42704" in lines[0] or "dropped while the relay was reconnecting" in lines[0]
+    assert "Traceback" not in relay.log()
 
 
 def test_a_missing_slot_at_start_exits_2_with_what_to_do(
