@@ -483,9 +483,7 @@ class WalSettings(_Section):
     publication: str = Field(
         "outbox", description="Publication named to pgoutput; it needs no tables."
     )
-    prefix: str = Field(
-        "outbox", description="Prefix of the logical messages that carry events."
-    )
+    prefix: str = Field("outbox", description="Prefix of the logical messages that carry events.")
     batch_changes: int = Field(
         10_000,
         ge=1,
