@@ -353,3 +353,46 @@ def test_a_lane_uses_only_its_host_offers_pauses_and_resumes() -> None:
     assert calls[2:] == [("finished", 8), ("resume", tp)]
     assert lane.events == [] and lane.fetched_bytes == 0 and not lane.paused
     assert host.dependency_of(OSError()) is host.database
+
+
+async def test_runs_a_slow_shared_transaction_cannot_take_go_to_their_lanes_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The sharer takes what fits in about SHARE_BUDGET_SECONDS at the pace of the recent
+    # shared transactions; a lane whose run does not fit is woken (its own task runs it
+    # beside the shared transaction) instead of waiting for the next one.
+    import inbox.runner
+    from inbox.runner import SHARE_BUDGET_SECONDS, Pace
+
+    daemon = _daemon()
+    assert daemon._share_limit() == daemon.settings.consumer.max_batch_records  # no pace yet
+    pace = Pace()
+    pace.add(SHARE_BUDGET_SECONDS * 3, 30)  # 30 events took three budgets: 10 fit in one
+    assert pace.seconds_per_event == pytest.approx(SHARE_BUDGET_SECONDS / 10)
+    daemon._shared_pace = pace
+    assert daemon._share_limit() == 10
+
+    def lane(partition: int, n: int) -> SimpleNamespace:
+        run = [SimpleNamespace(offset=o) for o in range(n)]
+        return SimpleNamespace(
+            tp=partition,
+            busy=False,
+            events=run,
+            queued=None,
+            wake=asyncio.Event(),
+            processor=SimpleNamespace(ready_run=lambda queued: run),
+            settle=lambda: None,
+        )
+
+    shared: list[list[int]] = []
+
+    async def together(members: list[tuple[object, list[object]]]) -> None:
+        shared.append([len(run) for _, run in members])
+
+    monkeypatch.setattr(inbox.runner, "process_together", together)
+    a, b, c = lane(0, 6), lane(1, 6), lane(2, 3)
+    daemon._offered = {0: a, 1: b, 2: c}  # type: ignore[dict-item]
+    await daemon._share_once()
+    assert shared == [[6, 3]]  # a and c: 9 events fit, b's 6 more would not
+    assert b.wake.is_set() and not a.wake.is_set() and not c.wake.is_set()
+    assert daemon._offered == {}
