@@ -223,6 +223,32 @@ def report_consumer(path: Path, events: int) -> None:
     print(prof.report(events, rows=30, stages=CONSUMER_STAGES), flush=True)
 
 
+def warm_up(settings: OutboxSettings, topic: str, partitions: int, timeout: float = 120) -> None:
+    """One event per partition through the relay and the consumer, waited for: the measured
+    stream starts once the consumer has joined its group and holds every partition (a
+    consumer still starting would otherwise meet a backlog, and the window its catch-up)."""
+    ob, engine = Outbox(settings), sync_engine(settings, pool_pre_ping=False)
+    try:
+        with engine.begin() as conn:
+            ob.publish_many(
+                conn,
+                [
+                    Message(topic=topic, key=f"warm{p}", event_type="bench.steady", payload={})
+                    for p in range(partitions * 4)  # keys hash to (nearly) every partition
+                ],
+            )
+    finally:
+        engine.dispose()
+    deadline = time.monotonic() + timeout
+    with psycopg.connect(settings.libpq_dsn) as conn:
+        while time.monotonic() < deadline:
+            (n,) = conn.execute(f"SELECT count(*) FROM {TABLE}").fetchone() or (0,)
+            if n >= partitions * 4:
+                return
+            time.sleep(0.2)
+    raise RuntimeError("the consumer did not handle the warm-up events")
+
+
 def handled(settings: OutboxSettings, expect: set[str], timeout: float = 60) -> dict[str, float]:
     """{event_id: wall-clock time its handler ran}, once every expected event was handled."""
     deadline = time.monotonic() + timeout
@@ -307,6 +333,8 @@ def one_run(
                 [*command, "--log-level", "WARNING", "consume", "bench.steady_app:app"],
                 env={
                     **env,
+                    # OUTBOX_CONSUMER__* from the caller's environment (tuning experiments).
+                    **{k: v for k, v in os.environ.items() if k.startswith("OUTBOX_CONSUMER__")},
                     "BENCH_STEADY_TOPIC": topic,
                     "PYTHONPATH": consumer_path or str(Path.cwd()),
                 },
@@ -314,7 +342,7 @@ def one_run(
                 stderr=subprocess.STDOUT,
             )
             daemons.append(consumer)
-            time.sleep(4)  # joins its group and gets the partitions
+            warm_up(settings, topic, args.partitions)
         spy = profile(relay.pid, args, logs / f"relay-{tag}.folded")
         if args.consumer and args.profile:
             consumer.send_signal(signal.SIGUSR1)
