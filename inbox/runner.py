@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
+from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.abc import ConsumerRebalanceListener
 from aiokafka.errors import IllegalStateError, KafkaError
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
@@ -415,16 +415,13 @@ class ConsumerDaemon:
                     if refusal is None:
                         raise
                     raise refusal from exc  # the broker's error name stays the cause
-                count = size = 0
-                for tp, records in batches.items():
-                    if records:
-                        count += len(records)
-                        size += _fetched_size(records)
-                        self._offsets.started(tp, records[0].offset)
-                        self._lane(tp, sessions, sink).feed(records)
-                linger.fetched(count, size)
+                linger.fetched(bool(batches))
                 if batches:
                     self.kafka.ok()  # records arrived: Kafka is back (if it was gone)
+                for tp, records in batches.items():
+                    if records:
+                        self._offsets.started(tp, records[0].offset)
+                        self._lane(tp, sessions, sink).feed(records)
                 now = time.monotonic()
                 if now >= next_lag:
                     next_lag = now + LAG_EVERY_SECONDS
@@ -627,11 +624,3 @@ class Pace:
         # Weighted toward the recent ones: a database that got slow shows within a few
         # transactions, one that recovered too.
         self.seconds_per_event = sample if last is None else 0.7 * last + 0.3 * sample
-
-
-def _fetched_size(records: list[ConsumerRecord[bytes, bytes]]) -> int:
-    """A partition's fetched records' bytes, near enough: keys and values, and headers as
-    large as the first record's (a topic's records carry the same ones)."""
-    headers = sum(len(name) + len(value or b"") for name, value in records[0].headers)
-    sizes = sum(max(r.serialized_key_size, 0) + max(r.serialized_value_size, 0) for r in records)
-    return int(sizes) + headers * len(records)

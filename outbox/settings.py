@@ -245,11 +245,10 @@ class ConsumerSettings(_Section):
         ge=0,
         le=1000,
         description="While records flow, a fetch waits up to this long for more (the broker "
-        "holds it until about 32 records of the size seen so far are there, or this long), so "
-        "that one fetch and one transaction carry several events: less CPU per event at "
-        "steady rates, at most this much added latency (half on average; less at rates where "
-        "32 records come sooner). The first record after a quiet spell is fetched at once; "
-        "0 = never wait. Off when the app sets fetch_min_bytes or fetch_max_wait_ms itself.",
+        "holds it), so that one fetch and one transaction carry several events: less CPU per "
+        "event at steady rates, at most this much added latency (half on average). The first "
+        "record after a quiet spell is fetched at once; 0 = never wait. Off when the app sets "
+        "fetch_min_bytes or fetch_max_wait_ms itself.",
     )
     offset_commit_interval_ms: int = Field(
         100,

@@ -70,7 +70,7 @@ def test_fetch_linger_holds_fetches_only_while_records_flow(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     import inbox.linger
-    from inbox.linger import LINGER_MAX_BYTES, LINGER_RECORDS, FetchLinger
+    from inbox.linger import LINGER_MIN_BYTES, FetchLinger
 
     # The consumer's fetch settings as outbox.kafka_room reads and changes them (the room
     # itself is tested against aiokafka in test_kafka_room.py and the canary).
@@ -85,22 +85,18 @@ def test_fetch_linger_holds_fetches_only_while_records_flow(
     consumer, off, renamed = object(), object(), object()
     wait.update({consumer: (1, 500), off: (1, 500), renamed: None})
     linger = FetchLinger(consumer, 5)
-    linger.fetched(0)
+    linger.fetched(False)
     assert wait[consumer] == (1, 500)
-    # Records flow: a fetch waits for LINGER_RECORDS records of the size seen, or 5 ms.
-    linger.fetched(2, 2 * 600)
-    assert wait[consumer] == (LINGER_RECORDS * 600, 5)
-    linger.fetched(1, 650)  # about the same size: left as it is
-    assert wait[consumer] == (LINGER_RECORDS * 600, 5)
-    linger.fetched(10, 10 * 1_000_000)  # large records: the wait, not the size, ends it
-    assert wait[consumer] == (LINGER_MAX_BYTES, 5)
-    linger.fetched(0)  # a quiet spell: the next record is fetched at once
+    linger.fetched(True)
+    assert wait[consumer] == (LINGER_MIN_BYTES, 5)
+    linger.fetched(True)
+    linger.fetched(False)  # a quiet spell: the next record is fetched at once
     assert wait[consumer] == (1, 500)
     # Off: never touches the consumer; an aiokafka without these settings turns it off.
-    FetchLinger(off, 0).fetched(1, 600)
+    FetchLinger(off, 0).fetched(True)
     assert wait[off] == (1, 500)
     lost = FetchLinger(renamed, 5)
-    lost.fetched(1, 600)
+    lost.fetched(True)
     assert lost.linger_ms == 0 and wait[renamed] is None
 
 
