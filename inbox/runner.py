@@ -74,10 +74,9 @@ STATUS_EVERY_SECONDS = 10.0
 # for a retry's backoff, so a flaky handler does not get the process restarted.
 STALLED_AFTER_SECONDS = 120.0
 KAFKA_CHECK_SECONDS = 1.0
-# About how long one shared transaction may take (ConsumerDaemon._share_limit); past it,
-# the records offered meanwhile stop waiting for its end (ConsumerDaemon._spill). Well
-# above what a trickle's shared transaction takes (a few milliseconds), so sharing is
-# unchanged while it keeps up.
+# About how long one shared transaction may take (see ConsumerDaemon._share_limit): the
+# records fetched meanwhile wait for its end. Well above what a trickle's shared
+# transaction takes (a few milliseconds), so sharing is unchanged while it keeps up.
 SHARE_BUDGET_SECONDS = 0.02
 LAG_EVERY_SECONDS = 1.0
 END_OFFSETS_TIMEOUT_SECONDS = 5.0
@@ -121,8 +120,6 @@ class ConsumerDaemon:
     # End offsets of paused partitions, asked for by the Kafka check (see module docstring).
     _end_offsets: dict[TopicPartition, int] = field(default_factory=dict, init=False)
     _sharer: asyncio.Task[None] | None = field(default=None, init=False)
-    # Set while the shared transaction under way is overdue (see _spill).
-    _spilling: bool = field(default=False, init=False)
     # How long shared transactions took per event, lately (the sharer's limit).
     _shared_pace: Pace = field(default_factory=lambda: Pace(), init=False)
     # Static membership (inbox/membership.py): set when an instance id is.
@@ -483,23 +480,9 @@ class ConsumerDaemon:
 
     def _offer(self, lane: Lane) -> None:
         """``lane`` has records: the sharer takes them along in its next shared transaction
-        or hands them to the lane's own task (at once while the shared transaction under
-        way is overdue: see _spill)."""
-        if self._spilling:
-            lane.wake.set()
-            return
+        or hands them to the lane's own task."""
         self._offered[lane.tp] = lane
         self._offers.set()
-
-    def _spill(self) -> None:
-        """The shared transaction under way has taken ``SHARE_BUDGET_SECONDS``: the lanes
-        waiting for the next one, and those offered until it ends, run their records in
-        their own tasks now, beside it (a slow database, a handler that waits: every
-        partition would otherwise queue behind one transaction)."""
-        self._spilling = True
-        for lane in self._offered.values():
-            lane.wake.set()
-        self._offered.clear()
 
     async def _share(self) -> None:
         """Shared transactions, one at a time, for the short runs of the lanes offered since
@@ -539,7 +522,6 @@ class ConsumerDaemon:
             size += len(run)
         if not members:
             return
-        overdue = asyncio.get_running_loop().call_later(SHARE_BUDGET_SECONDS, self._spill)
         try:
             started = time.monotonic()
             await process_together(members)
@@ -553,8 +535,6 @@ class ConsumerDaemon:
             for lane in taken:
                 lane.wake.set()  # each retries on its own, with backoff
         finally:
-            overdue.cancel()
-            self._spilling = False
             for lane in taken:
                 lane.settle()
 

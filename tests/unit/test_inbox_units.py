@@ -396,11 +396,3 @@ async def test_runs_a_slow_shared_transaction_cannot_take_go_to_their_lanes_at_o
     assert shared == [[6, 3]]  # a and c: 9 events fit, b's 6 more would not
     assert b.wake.is_set() and not a.wake.is_set() and not c.wake.is_set()
     assert daemon._offered == {}
-
-    # A shared transaction past its budget: the lanes waiting for the next one, and those
-    # offered until it ends, go to their own tasks.
-    d, e = lane(3, 2), lane(4, 2)
-    daemon._offer(d)  # type: ignore[arg-type]
-    daemon._spill()
-    daemon._offer(e)  # type: ignore[arg-type]
-    assert d.wake.is_set() and e.wake.is_set() and daemon._offered == {}
