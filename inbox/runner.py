@@ -74,10 +74,6 @@ STATUS_EVERY_SECONDS = 10.0
 # for a retry's backoff, so a flaky handler does not get the process restarted.
 STALLED_AFTER_SECONDS = 120.0
 KAFKA_CHECK_SECONDS = 1.0
-# About how long one shared transaction may take (see ConsumerDaemon._share_limit): the
-# records fetched meanwhile wait for its end. Well above what a trickle's shared
-# transaction takes (a few milliseconds), so sharing is unchanged while it keeps up.
-SHARE_BUDGET_SECONDS = 0.02
 LAG_EVERY_SECONDS = 1.0
 END_OFFSETS_TIMEOUT_SECONDS = 5.0
 
@@ -120,8 +116,6 @@ class ConsumerDaemon:
     # End offsets of paused partitions, asked for by the Kafka check (see module docstring).
     _end_offsets: dict[TopicPartition, int] = field(default_factory=dict, init=False)
     _sharer: asyncio.Task[None] | None = field(default=None, init=False)
-    # How long shared transactions took per event, lately (the sharer's limit).
-    _shared_pace: Pace = field(default_factory=lambda: Pace(), init=False)
     # Static membership (inbox/membership.py): set when an instance id is.
     _membership: Membership | None = field(default=None, init=False)
     _session_timeout_ms: int = field(default=10_000, init=False)  # aiokafka's default
@@ -496,7 +490,7 @@ class ConsumerDaemon:
                 await self._share_once()
 
     async def _share_once(self) -> None:
-        limit = self._share_limit()
+        limit = self.settings.consumer.max_batch_records
         members: list[tuple[PartitionProcessor, Sequence[InboxEvent]]] = []
         taken: list[Lane] = []
         size = 0
@@ -505,12 +499,8 @@ class ConsumerDaemon:
                 del self._offered[tp]  # whoever holds it offers what it leaves
                 continue
             run = lane.processor.ready_run(lane.queued)
-            if run is not None and size and size + len(run) > limit:
-                # It does not fit: its own task runs it now, beside this transaction,
-                # instead of waiting for the next one. (The first run always fits: the
-                # pace of shared transactions is measured on them.)
-                del self._offered[tp]
-                lane.wake.set()
+            if run is not None and size + len(run) > limit:
+                self._offers.set()  # the next transaction takes it
                 continue
             del self._offered[tp]
             if run is None:
@@ -523,10 +513,8 @@ class ConsumerDaemon:
         if not members:
             return
         try:
-            started = time.monotonic()
             await process_together(members)
-            self._shared_pace.add(time.monotonic() - started, size)
-            # Any success says the database is back (see Lane.work).
+            # Any success says the database is back (see _Lane.work).
             self.database.ok()
         except Exception as exc:
             if not is_infrastructure(exc):
@@ -537,17 +525,6 @@ class ConsumerDaemon:
         finally:
             for lane in taken:
                 lane.settle()
-
-    def _share_limit(self) -> int:
-        """Events one shared transaction may take: a transaction's worth, or fewer when
-        shared transactions have been slow (a loaded database, handlers that wait), so
-        that one lasts about ``SHARE_BUDGET_SECONDS`` and the runs it cannot take go to
-        their lanes' own tasks, in parallel, instead of queueing behind it."""
-        limit = self.settings.consumer.max_batch_records
-        per_event = self._shared_pace.seconds_per_event
-        if per_event is None:
-            return limit
-        return max(1, min(limit, int(SHARE_BUDGET_SECONDS / per_event)))
 
     # ------------------------------------------------------------------ lanes' callbacks
 
@@ -590,17 +567,3 @@ class ConsumerDaemon:
             self.metrics.forget_lag(tp.topic, tp.partition)
         if lanes:
             log.info("partitions released", extra={"partitions": sorted(str(x.tp) for x in lanes)})
-
-
-@dataclass
-class Pace:
-    """A moving average of the wall time per event of recent shared transactions."""
-
-    seconds_per_event: float | None = None
-
-    def add(self, seconds: float, events: int) -> None:
-        sample = seconds / max(events, 1)
-        last = self.seconds_per_event
-        # Weighted toward the recent ones: a database that got slow shows within a few
-        # transactions, one that recovered too.
-        self.seconds_per_event = sample if last is None else 0.7 * last + 0.3 * sample
