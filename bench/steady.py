@@ -4,6 +4,7 @@
     python -m bench.steady --rate 5000 --single --producers 4
     python -m bench.steady --consumer                    # end to end through `outbox consume`
     python -m bench.steady --vs /path/to/old/outbox --pairs 3   # alternate two relay builds
+    python -m bench.steady --consumer --consumer-vs base=/path/to/old/checkout --pairs 3
     python -m bench.steady --idle 30                     # also the relay's cost with no events
     python -m bench.steady --busy 1                      # on a busy host: a CPU-bound process
 
@@ -18,11 +19,19 @@ Printed per run, over the last ``--window`` seconds (the start is warm-up):
 
 * relay: producer commit returned -> the broker's append (LogAppendTime), p50/p99/max ms;
 * end to end (``--consumer``): producer commit returned -> the handler's insert, p50/p99/max;
-* the relay process's CPU (user + system) per event and in % of a core.
+* the relay process's CPU (user + system) per event and in % of a core;
+* with ``--consumer``, the consumer process's CPU per event, from the first event's commit
+  until the last was handled.
 
 Both clocks are this machine's wall clock. ``--vs`` runs this build's relay and another
 build's ``outbox`` executable alternately (the consumer is always this build's), a fresh
-topic each run, and prints the medians of each side.
+topic each run, and prints the medians of each side. ``--consumer-vs NAME=DIR`` does the
+same for the consumer: this build's ``outbox consume`` against one run with ``PYTHONPATH=DIR``
+(another checkout's ``outbox`` and ``inbox`` packages, e.g. a ``git worktree`` of the commit
+before), the relay being this build's. ``--profile`` samples the relay with py-spy
+(folded stacks, idle excluded) and, with ``--consumer``, prints where the consumer's CPU
+went by stage (``bench/cpuprofile.py``: CPU-time samples, from the stream's first event to
+its last one handled).
 """
 
 from __future__ import annotations
@@ -32,7 +41,9 @@ import asyncio
 import json
 import multiprocessing
 import os
+import pickle
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -44,9 +55,11 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 
 import psycopg
+from aiokafka.errors import KafkaError
 from sqlalchemy.engine import make_url
 
 from bench.common import create_topic, delete_topics
+from bench.cpuprofile import CpuProfile, Stage
 from bench.relay import _dsn, own_outbox, read_topic, relay_env, stop_relays, wait_balanced
 from bench.steady_app import DDL, TABLE
 from outbox import Outbox, migrate
@@ -65,6 +78,7 @@ class Run:
     events: int
     cpu_us_per_event: float
     cpu_share: float  # of one core
+    consumer_cpu_us_per_event: float | None = None
 
 
 def cpu_seconds(pid: int) -> float:
@@ -133,6 +147,60 @@ def produce(settings: OutboxSettings, topic: str, args: argparse.Namespace) -> d
     return committed
 
 
+# Where the consumer's CPU goes, by the qualified names of this build and older ones: a
+# sample belongs to the first stage its stack holds.
+CONSUMER_STAGES: list[Stage] = [
+    (name, frozenset(funcs.split()))
+    for name, funcs in (
+        (
+            "Kafka offset commits",
+            "ConsumerDaemon._committer ConsumerDaemon.flush_offsets OffsetCommitter.run "
+            "OffsetCommitter.flush GroupCoordinator._do_commit_offsets",
+        ),
+        (
+            # StreamReaderProtocol and asyncio.wait callbacks: aiokafka's socket reads and
+            # its fetch routine (the database driver uses neither).
+            "Kafka fetch (requests, responses, records)",
+            "AIOKafkaConsumer.getmany Fetcher._fetch_requests_routine "
+            "Fetcher._proc_fetch_request AIOKafkaConnection._read AIOKafkaConnection.send "
+            "StreamReaderProtocol.data_received _wait.<locals>._on_completion "
+            "Fetcher._create_fetch_waiter.<locals>.<lambda>",
+        ),
+        (
+            "Kafka group, metadata watch, lag",
+            "GroupCoordinator._heartbeat_routine GroupCoordinator._coordination_routine "
+            "ConsumerDaemon._watch_kafka ConsumerDaemon._update_lag",
+        ),
+        ("record decoding (InboxEvent)", "decode"),
+        ("claim: BEGIN + inbox INSERT (one round trip)", "InboxStore.begin_and_claim"),
+        (
+            "attempt markers (own statements)",
+            "InboxStore.arm_markers InboxStore.set_marker InboxStore.disarm_marker "
+            "InboxStore.marker",
+        ),
+        ("handler: its INSERT through the AsyncSession", "Handler.__call__"),
+        (
+            "COMMIT (through the session)",
+            "AsyncSession.flush AsyncSession.commit AsyncSessionTransaction.__aexit__ _commit",
+        ),
+        (
+            "session and connection set-up",
+            "AsyncSession.__init__ AsyncSession.connection async_sessionmaker.__call__ "
+            "AsyncSession.begin AsyncSession.close AsyncSession.__aexit__ "
+            "Connections.take Connections.give",
+        ),
+        ("per event: dispatch, metrics, tracing", "PartitionProcessor._run_handler"),
+        (
+            "scheduling (lanes, the sharer, shared-transaction bookkeeping)",
+            "_Lane.work _Lane.feed Lane.work Lane.feed ConsumerDaemon._share process_together "
+            "_transaction PartitionProcessor.process",
+        ),
+        ("fetch loop", "ConsumerDaemon._loop"),
+        ("database driver wake-ups (psycopg)", "wait_async.<locals>.wakeup"),
+    )
+]
+
+
 def profile(pid: int, args: argparse.Namespace, out: Path) -> subprocess.Popen[bytes] | None:
     """py-spy sampling the relay while the stream runs (folded stacks, idle excluded)."""
     if not args.profile:
@@ -143,6 +211,43 @@ def profile(pid: int, args: argparse.Namespace, out: Path) -> subprocess.Popen[b
          str(pid), "-d", str(int(args.seconds))],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
+
+
+def report_consumer(path: Path, events: int) -> None:
+    """Print where the consumer's CPU went (by stage, top functions) and save the folded
+    stacks beside the samples."""
+    prof = CpuProfile()
+    saved = pickle.loads(path.read_bytes())
+    prof.stacks, prof.cpu_seconds = saved["stacks"], saved["cpu_seconds"]
+    prof.save(str(path.with_suffix(".folded")))
+    print(f"  profile of the consumer ({path.with_suffix('.folded')}):", flush=True)
+    print(prof.report(events, rows=30, stages=CONSUMER_STAGES), flush=True)
+
+
+def warm_up(settings: OutboxSettings, topic: str, partitions: int, timeout: float = 120) -> None:
+    """One event per partition through the relay and the consumer, waited for: the measured
+    stream starts once the consumer has joined its group and holds every partition (a
+    consumer still starting would otherwise meet a backlog, and the window its catch-up)."""
+    ob, engine = Outbox(settings), sync_engine(settings, pool_pre_ping=False)
+    try:
+        with engine.begin() as conn:
+            ob.publish_many(
+                conn,
+                [
+                    Message(topic=topic, key=f"warm{p}", event_type="bench.steady", payload={})
+                    for p in range(partitions * 4)  # keys hash to (nearly) every partition
+                ],
+            )
+    finally:
+        engine.dispose()
+    deadline = time.monotonic() + timeout
+    with psycopg.connect(settings.libpq_dsn) as conn:
+        while time.monotonic() < deadline:
+            (n,) = conn.execute(f"SELECT count(*) FROM {TABLE}").fetchone() or (0,)
+            if n >= partitions * 4:
+                return
+            time.sleep(0.2)
+    raise RuntimeError("the consumer did not handle the warm-up events")
 
 
 def handled(settings: OutboxSettings, expect: set[str], timeout: float = 60) -> dict[str, float]:
@@ -189,8 +294,16 @@ def idle_cost(settings: OutboxSettings, dbname: str, pid: int, seconds: float) -
 
 
 def one_run(
-    settings: OutboxSettings, dbname: str, exe: str, args: argparse.Namespace, logs: Path
+    settings: OutboxSettings,
+    dbname: str,
+    exe: str,
+    args: argparse.Namespace,
+    logs: Path,
+    consumer_path: str | None = None,
 ) -> Run:
+    """One stream through ``exe``'s relay and, with ``--consumer``, a consumer importing
+    ``outbox``/``inbox`` from ``consumer_path`` (this build when None); with ``--profile``
+    the consumer runs under the CPU-time profiler (``bench/steady_profile.py``)."""
     topic = asyncio.run(
         create_topic(settings, args.partitions, {"message.timestamp.type": "LogAppendTime"})
     )
@@ -213,23 +326,41 @@ def one_run(
         if args.idle:
             idle_cost(settings, dbname, relay.pid, args.idle)
         if args.consumer:
+            command = [own_outbox()]
+            if args.profile:
+                script = Path(__file__).with_name("steady_profile.py")
+                command = [sys.executable, str(script), str(logs / f"consumer-{tag}.pickle")]
             consumer = subprocess.Popen(
-                [own_outbox(), "--log-level", "WARNING", "consume", "bench.steady_app:app"],
-                env={**env, "BENCH_STEADY_TOPIC": topic, "PYTHONPATH": str(Path.cwd())},
+                [*command, "--log-level", "WARNING", "consume", "bench.steady_app:app"],
+                env={
+                    **env,
+                    # OUTBOX_CONSUMER__* from the caller's environment (tuning experiments).
+                    **{k: v for k, v in os.environ.items() if k.startswith("OUTBOX_CONSUMER__")},
+                    "BENCH_STEADY_TOPIC": topic,
+                    "PYTHONPATH": consumer_path or str(Path.cwd()),
+                },
                 stdout=(logs / f"consumer-{tag}.log").open("wb"),
                 stderr=subprocess.STDOUT,
             )
             daemons.append(consumer)
-            time.sleep(4)  # joins its group and gets the partitions
+            warm_up(settings, topic, args.partitions)
         spy = profile(relay.pid, args, logs / f"relay-{tag}.folded")
-        start_cpu = cpu_seconds(relay.pid)
+        if args.consumer and args.profile:
+            consumer.send_signal(signal.SIGUSR1)
+        start_cpu = [cpu_seconds(d.pid) for d in daemons]
         committed = produce(settings, topic, args)
-        cpu = cpu_seconds(relay.pid) - start_cpu
+        cpu = cpu_seconds(relay.pid) - start_cpu[0]
+        appended = dict(asyncio.run(read_topic(settings, topic, len(committed))))
+        seen = handled(settings, set(committed)) if args.consumer else {}
+        # Until the last event was handled: what the consumer spent on this stream.
+        consumer_cpu = cpu_seconds(consumer.pid) - start_cpu[1] if args.consumer else None
         if spy is not None:
             spy.wait(30)
             print(f"  profile of the relay: {logs / f'relay-{tag}.folded'}", flush=True)
-        appended = dict(asyncio.run(read_topic(settings, topic, len(committed))))
-        seen = handled(settings, set(committed)) if args.consumer else {}
+        if args.consumer and args.profile:
+            consumer.send_signal(signal.SIGUSR2)
+            time.sleep(1)  # it writes the samples
+            report_consumer(logs / f"consumer-{tag}.pickle", len(committed))
     finally:
         for hog in busy:
             hog.kill()
@@ -241,7 +372,9 @@ def one_run(
         raise RuntimeError(f"{len(lost)} events never reached Kafka; see {logs}")
     relay_ms = pct([appended[e] - at * 1000 for e, at in window.items()])
     e2e = pct([(seen[e] - at) * 1000 for e, at in window.items() if e in seen]) if seen else None
-    return Run(relay_ms, e2e, len(committed), cpu / len(committed) * 1e6, cpu / args.seconds)
+    n = len(committed)
+    per_event = None if consumer_cpu is None else consumer_cpu / n * 1e6
+    return Run(relay_ms, e2e, n, cpu / n * 1e6, cpu / args.seconds, per_event)
 
 
 def show(name: str, run: Run) -> str:
@@ -250,10 +383,12 @@ def show(name: str, run: Run) -> str:
     if run.e2e is not None:
         e = run.e2e
         line += f" | end to end p50 {e[0]:5.1f} p99 {e[1]:6.1f} max {e[2]:6.0f} ms"
-    return (
-        line + f" | relay CPU {run.cpu_us_per_event:.0f} us/event, {100 * run.cpu_share:.1f}% "
-        f"of a core ({run.events} events)"
+    line += (
+        f" | relay CPU {run.cpu_us_per_event:.0f} us/event, {100 * run.cpu_share:.1f}% of a core"
     )
+    if run.consumer_cpu_us_per_event is not None:
+        line += f" | consumer CPU {run.consumer_cpu_us_per_event:.0f} us/event"
+    return line + f" ({run.events} events)"
 
 
 def main() -> None:
@@ -269,7 +404,11 @@ def main() -> None:
     ap.add_argument("--consumer", action="store_true", help="end to end through outbox consume")
     ap.add_argument("--busy", type=int, default=0, help="CPU-bound processes beside them")
     ap.add_argument("--idle", type=float, default=0, help="first measure the idle relay")
-    ap.add_argument("--profile", action="store_true", help="py-spy the relay (needs py-spy)")
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="py-spy the relay (needs py-spy); the consumer's CPU by stage (bench/cpuprofile.py)",
+    )
     ap.add_argument(
         "--vs",
         metavar="[NAME=]OUTBOX",
@@ -277,8 +416,16 @@ def main() -> None:
         default=[],
         help="another build's outbox executable (repeat for several builds)",
     )
+    ap.add_argument(
+        "--consumer-vs",
+        metavar="NAME=DIR",
+        action="append",
+        default=[],
+        help="another checkout to run the consumer from (PYTHONPATH); implies --consumer",
+    )
     ap.add_argument("--pairs", type=int, default=3)
     args = ap.parse_args()
+    args.consumer = args.consumer or bool(args.consumer_vs)
     args.window = min(args.window, args.seconds)
 
     base = OutboxSettings()
@@ -299,18 +446,29 @@ def main() -> None:
         f"{os.getloadavg()[0]:.2f}",
         flush=True,
     )
-    builds = [("this", own_outbox())] + [
-        tuple(v.split("=", 1)) if "=" in v else (f"other{i or ''}", v)
-        for i, v in enumerate(args.vs)
-    ]
-    runs: dict[str, list[Run]] = {name: [] for name, _ in builds}
+    # (name, relay executable, consumer's PYTHONPATH or None for this build)
+    builds: list[tuple[str, str, str | None]] = [("this", own_outbox(), None)]
+    for i, v in enumerate(args.vs):
+        name, exe = v.split("=", 1) if "=" in v else (f"other{i or ''}", v)
+        builds.append((name, exe, None))
+    for i, v in enumerate(args.consumer_vs):
+        name, path = v.split("=", 1) if "=" in v else (f"consumer{i or ''}", v)
+        builds.append((name, own_outbox(), str(Path(path).resolve())))
+    several = len(builds) > 1
+    runs: dict[str, list[Run]] = {name: [] for name, _, _ in builds}
     try:
         migrate.upgrade(settings)
-        for i in range(args.pairs if args.vs else 1):
+        for i in range(args.pairs if several else 1):
             # Alternate which build goes first: a drift in the machine's load then
             # spreads over both sides.
-            for name, exe in builds if i % 2 == 0 else builds[::-1]:
-                run = one_run(settings, dbname, exe, args, logs)
+            for name, exe, path in builds if i % 2 == 0 else builds[::-1]:
+                try:
+                    run = one_run(settings, dbname, exe, args, logs, path)
+                except KafkaError as exc:
+                    # The shared broker lost the run's topic (another bench or suite
+                    # cleaning up): that run again, once.
+                    print(f"  {name}: run failed ({type(exc).__name__}), once more", flush=True)
+                    run = one_run(settings, dbname, exe, args, logs, path)
                 runs[name].append(run)
                 print(show(f"  {name:5s}", run), flush=True)
         summary = {}
@@ -323,6 +481,9 @@ def main() -> None:
             if all(r.e2e is not None for r in rs):
                 med["e2e_p50_ms"] = statistics.median(r.e2e[0] for r in rs if r.e2e)
                 med["e2e_p99_ms"] = statistics.median(r.e2e[1] for r in rs if r.e2e)
+                med["consumer_cpu_us_per_event"] = statistics.median(
+                    r.consumer_cpu_us_per_event or 0.0 for r in rs
+                )
             summary[name] = med
         print(json.dumps(summary))
     finally:

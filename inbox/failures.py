@@ -4,10 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import psycopg
 import psycopg.errors
+from aiokafka.errors import KafkaError
 from pydantic import ValidationError
 from sqlalchemy.exc import DBAPIError
 
+from outbox.db import unavailable
+from outbox.dberrors import is_transient
+from outbox.errors import OutboxError
 from outbox.resilience.classify import is_retryable
 
 
@@ -63,6 +68,29 @@ def unknown_type(event_type: str | None, topic: str) -> Failure:
     if event_type is None:
         return Failure("UnknownEventType", f"no handler for topic {topic!r} (no event type)", False)
     return Failure("UnknownEventType", f"no handler for event type {event_type!r}", False)
+
+
+def is_infrastructure(exc: BaseException) -> bool:
+    """Infrastructure trouble (database or broker unreachable) met while handling a run:
+    the run is retried without charging its events an attempt."""
+    # Database errors by the SQLSTATE table (outbox/dberrors.py): a read-only transaction or
+    # a full disk met by the consumer's own statements is an outage, whatever the driver's
+    # class; SQLAlchemy's errors, or psycopg's own from the hot path's statements
+    # (inbox/store.py); a pool with every connection busy for its whole timeout.
+    if is_transient(exc):
+        return True
+    if isinstance(exc, OutboxError):
+        return exc.retriable
+    return isinstance(exc, KafkaError) and bool(getattr(exc, "retriable", False))
+
+
+def infrastructure_cause(exc: BaseException) -> str:
+    """An outage's class and, for framework errors, its message (they never hold secrets)."""
+    if isinstance(exc, OutboxError):
+        return f"{type(exc).__name__}: {exc}"
+    if isinstance(exc, DBAPIError | psycopg.Error):
+        return str(unavailable(exc))
+    return type(exc).__name__
 
 
 def _cut(text: str, limit: int) -> str:

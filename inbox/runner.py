@@ -7,9 +7,10 @@ low rates the per-transaction cost is paid once for the records of many partitio
 no partition's task is even woken. What cannot share (a backlog longer than a
 transaction, a failure to resume from, a marker to read first) runs in the lane's own
 task; lanes run concurrently (up to ``max_concurrent_partitions``), and a lane far behind
-pauses its partition's fetching. Offsets are
+pauses its partition's fetching (the lane: ``inbox/lane.py``). Offsets are
 committed only after the database commit that finished them, never by auto-commit, by a
-committer task that coalesces them so handlers never wait for a Kafka round trip. On
+committer task that coalesces them so handlers never wait for a Kafka round trip
+(``inbox/offsets.py``). On
 revocation a revoked partition's in-flight run finishes (a retry backing off is abandoned
 before its next attempt) and its offsets are committed before the rebalance proceeds; the
 new owner starts at the committed offset and the inbox dedupes the rest.
@@ -25,7 +26,6 @@ broker cannot hold up the check), never one per event.
 from __future__ import annotations
 
 import asyncio
-import bisect
 import contextlib
 import logging
 import time
@@ -33,17 +33,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import psycopg
-from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
+from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.abc import ConsumerRebalanceListener
-from aiokafka.errors import CommitFailedError, IllegalStateError, KafkaError
-from sqlalchemy.exc import DBAPIError
+from aiokafka.errors import IllegalStateError, KafkaError
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
-from inbox.app import Consumer, Decoder
+from inbox.app import Consumer
 from inbox.connections import Connections
 from inbox.event import InboxEvent
+from inbox.failures import infrastructure_cause, is_infrastructure
 from inbox.kafka import KafkaSink, dlq_producer, ensure_topics, start_dlq_producer
+from inbox.lane import Lane, LaneHost
 from inbox.linger import FetchLinger
 from inbox.membership import (
     Membership,
@@ -54,12 +54,12 @@ from inbox.membership import (
     static_options,
 )
 from inbox.metrics import Metrics
+from inbox.offsets import OffsetCommitter
 from inbox.processor import PartitionProcessor, process_together
 from inbox.store import InboxStore
 from outbox import kafka_room
 from outbox.daemon import MetadataWatch, kafka_consumer, start_kafka, with_client_options
-from outbox.db import async_engine, unavailable
-from outbox.dberrors import is_transient
+from outbox.db import async_engine
 from outbox.errors import BrokerUnavailable, DatabaseUnavailable, OutboxError
 from outbox.outages import Dependency
 from outbox.poolers import probe_session
@@ -76,20 +76,6 @@ STALLED_AFTER_SECONDS = 120.0
 KAFKA_CHECK_SECONDS = 1.0
 LAG_EVERY_SECONDS = 1.0
 END_OFFSETS_TIMEOUT_SECONDS = 5.0
-
-
-def _transient(exc: BaseException) -> bool:
-    """Infrastructure trouble (database or broker unreachable): retry the batch without
-    charging the events an attempt."""
-    # Database errors by the SQLSTATE table (outbox/dberrors.py): a read-only transaction or
-    # a full disk met by the consumer's own statements is an outage, whatever the driver's
-    # class; SQLAlchemy's errors, or psycopg's own from the hot path's statements
-    # (inbox/store.py); a pool with every connection busy for its whole timeout.
-    if is_transient(exc):
-        return True
-    if isinstance(exc, OutboxError):
-        return exc.retriable
-    return isinstance(exc, KafkaError) and bool(getattr(exc, "retriable", False))
 
 
 class _Listener(ConsumerRebalanceListener):  # type: ignore[misc]
@@ -114,19 +100,15 @@ class ConsumerDaemon:
     metrics: Metrics | None = None
     _engine: AsyncEngine | None = field(default=None, init=False)
     _kafka: AIOKafkaConsumer | None = field(default=None, init=False)
-    _lanes: dict[TopicPartition, _Lane] = field(default_factory=dict, init=False)
+    _lanes: dict[TopicPartition, Lane] = field(default_factory=dict, init=False)
     # Lanes with records for the sharer to look at, in the order they came (a process with
     # many quiet partitions does not pay for each of them).
-    _offered: dict[TopicPartition, _Lane] = field(default_factory=dict, init=False)
+    _offered: dict[TopicPartition, Lane] = field(default_factory=dict, init=False)
     _offers: asyncio.Event = field(default_factory=asyncio.Event, init=False)
-    _pending_offsets: dict[TopicPartition, int] = field(default_factory=dict, init=False)
-    _offsets_ready: asyncio.Event = field(default_factory=asyncio.Event, init=False)
     _failure: BaseException | None = field(default=None, init=False)
     _running: bool = field(default=False, init=False)
     _progress_at: float = field(default_factory=time.monotonic, init=False)
     _watcher: asyncio.Task[None] | None = field(default=None, init=False)
-    # Per partition: the offset this member last committed, or started from (for lag).
-    _committed: dict[TopicPartition, int] = field(default_factory=dict, init=False)
     # What the last rebalance gave this member, until revoked. Lag is exported for these
     # only: aiokafka keeps reporting revoked partitions in assignment() until the next
     # assignment arrives, and a series made for one then would never be removed.
@@ -151,6 +133,19 @@ class ConsumerDaemon:
         # Shared by every partition: one log line per outage, not one per partition and try.
         self.database = Dependency("database", log)
         self.kafka = Dependency("Kafka", log)
+        self._offsets = OffsetCommitter(self.kafka, self._policy, config.offset_commit_interval_ms)
+        # All a lane may use of this daemon (inbox/lane.py).
+        self._host = LaneHost(
+            config=config,
+            slots=self._slots,
+            policy=self._policy,
+            database=self.database,
+            kafka=self.kafka,
+            offer=self._offer,
+            finished=self._offset_done,
+            pause=self._pause,
+            resume=self._resume,
+        )
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -201,7 +196,7 @@ class ConsumerDaemon:
         producer = dlq_producer(settings)
         # The sink replaces a producer a refused dead letter left unusable (and stops it).
         sink = KafkaSink(producer, renew=lambda: start_dlq_producer(settings))
-        self._kafka = kafka
+        self._kafka = self._offsets.consumer = kafka
         try:
             await start_kafka(producer, settings)
             await start_kafka(kafka, settings)
@@ -245,9 +240,7 @@ class ConsumerDaemon:
 
     def dependency_of(self, exc: BaseException) -> Dependency:
         """Which service a transient error is about (the DLQ producer's are Kafka's)."""
-        if isinstance(exc, BrokerUnavailable | KafkaError):
-            return self.kafka
-        return self.database
+        return self._host.dependency_of(exc)
 
     def healthy(self) -> bool:
         """What ``/healthz`` reports: running, no background task failed, and not stalled
@@ -307,7 +300,7 @@ class ConsumerDaemon:
                 self.kafka.ok()
                 return True
             except BrokerUnavailable as exc:
-                self.kafka.failed(_cause(exc))
+                self.kafka.failed(infrastructure_cause(exc))
             if not await self._retry_wait(self.kafka, stop):
                 return False
 
@@ -363,7 +356,7 @@ class ConsumerDaemon:
                 high = asked if high is None else max(high, asked)
             if high is None:
                 continue  # not fetched yet
-            committed = self._committed.get(tp)
+            committed = self._offsets.committed.get(tp)
             if committed is None:
                 # Nothing handed over since it was assigned: the position is still where the
                 # group's committed offset put it (it is valid once a fetch came back; the
@@ -389,8 +382,8 @@ class ConsumerDaemon:
     ) -> None:
         assert self._kafka is not None
         config = self.settings.consumer
-        committer = asyncio.create_task(self._committer())
-        committer.add_done_callback(self._watch_committer)
+        committer = asyncio.create_task(self._offsets.run())
+        committer.add_done_callback(self._watch)
         # Cancelled only after the lanes are released (run()), so that a shared
         # transaction in flight finishes.
         self._sharer = asyncio.create_task(self._share())
@@ -418,7 +411,7 @@ class ConsumerDaemon:
                     self.kafka.ok()  # records arrived: Kafka is back (if it was gone)
                 for tp, records in batches.items():
                     if records:
-                        self._committed.setdefault(tp, records[0].offset)  # where we started
+                        self._offsets.started(tp, records[0].offset)
                         self._lane(tp, sessions, sink).feed(records)
                 now = time.monotonic()
                 if now >= next_lag:
@@ -448,7 +441,7 @@ class ConsumerDaemon:
         tp: TopicPartition,
         sessions: async_sessionmaker[AsyncSession],
         sink: KafkaSink,
-    ) -> _Lane:
+    ) -> Lane:
         assert self._kafka is not None and self.metrics is not None
         lane = self._lanes.get(tp)
         if lane is None:
@@ -464,7 +457,7 @@ class ConsumerDaemon:
                 topic=tp.topic,
                 partition=tp.partition,
             )
-            lane = _Lane(self, tp, processor, self.app.decoder(tp.topic))
+            lane = Lane(self._host, tp, processor, self.app.decoder(tp.topic))
             processor.on_progress = lane.progress
             self._lanes[tp] = lane
             lane.task = asyncio.create_task(lane.work())
@@ -477,12 +470,9 @@ class ConsumerDaemon:
             self._failure = task.exception()
             log.error("consumer task died: %r", self._failure, exc_info=self._failure)
 
-    def _watch_committer(self, task: asyncio.Task[None]) -> None:
-        self._watch(task)
-
     # ------------------------------------------------------------------ the sharer
 
-    def _offer(self, lane: _Lane) -> None:
+    def _offer(self, lane: Lane) -> None:
         """``lane`` has records: the sharer takes them along in its next shared transaction
         or hands them to the lane's own task."""
         self._offered[lane.tp] = lane
@@ -502,7 +492,7 @@ class ConsumerDaemon:
     async def _share_once(self) -> None:
         limit = self.settings.consumer.max_batch_records
         members: list[tuple[PartitionProcessor, Sequence[InboxEvent]]] = []
-        taken: list[_Lane] = []
+        taken: list[Lane] = []
         size = 0
         for tp, lane in list(self._offered.items()):
             if lane.busy or not lane.events:
@@ -527,92 +517,32 @@ class ConsumerDaemon:
             # Any success says the database is back (see _Lane.work).
             self.database.ok()
         except Exception as exc:
-            if not _transient(exc):
+            if not is_infrastructure(exc):
                 raise
-            self.dependency_of(exc).failed(_cause(exc))
+            self.dependency_of(exc).failed(infrastructure_cause(exc))
             for lane in taken:
                 lane.wake.set()  # each retries on its own, with backoff
         finally:
             for lane in taken:
                 lane.settle()
 
-    # ------------------------------------------------------------------ offsets
+    # ------------------------------------------------------------------ lanes' callbacks
 
     def _offset_done(self, tp: TopicPartition, offset: int) -> None:
-        self._pending_offsets[tp] = offset
-        self._offsets_ready.set()
+        """A lane's records before ``offset`` committed in the database."""
+        self._progress_at = time.monotonic()
+        self._offsets.done(tp, offset)
 
-    async def _committer(self) -> None:
-        """Commit the newest finished offsets, coalesced: the handler path never waits for
-        a Kafka round trip, and one request covers every partition that moved in the
-        last ``offset_commit_interval_ms``. A failed commit is tried again after a backoff."""
-        pause = self.settings.consumer.offset_commit_interval_ms / 1000
-        failures = 0
-        while True:
-            await self._offsets_ready.wait()
-            if await self.flush_offsets():
-                failures = 0
-                await asyncio.sleep(pause)
-            else:
-                failures += 1
-                await asyncio.sleep(max(pause, self._policy.backoff(min(failures, 10))))
-
-    async def flush_offsets(self, only: Sequence[TopicPartition] | None = None) -> bool:
-        """Commit what is pending (for ``only`` these partitions); False when Kafka did not
-        take it (the offsets stay pending)."""
-        self._offsets_ready.clear()
-        picked = {
-            tp: off for tp, off in self._pending_offsets.items() if only is None or tp in only
-        }
-        for tp in picked:
-            del self._pending_offsets[tp]
-        try:
-            return not picked or await self._commit(picked)
-        except asyncio.CancelledError:
-            # The committer is cancelled at shutdown, maybe while Kafka has the request:
-            # the offsets go back so that release() commits them (again: a commit is
-            # idempotent) instead of the next owner re-reading what was finished.
-            self._keep_pending(picked)
-            raise
-
-    def _keep_pending(self, offsets: dict[TopicPartition, int]) -> None:
-        """Offsets for the next commit; a newer offset finished meanwhile wins."""
-        for tp, offset in offsets.items():
-            if self._pending_offsets.get(tp, -1) < offset:
-                self._pending_offsets[tp] = offset
-        self._offsets_ready.set()
-
-    async def _commit(self, offsets: dict[TopicPartition, int]) -> bool:
-        """One commit request for every partition that moved; per partition only when the
-        group refused it (a partition moved away must not block the others' offsets).
-        False when Kafka could not be asked: the offsets are pending again."""
+    def _pause(self, tp: TopicPartition) -> None:
         assert self._kafka is not None
-        try:
-            await self._kafka.commit(offsets)
-            self._committed.update(offsets)
-            self.kafka.ok()
-            return True
-        except (CommitFailedError, IllegalStateError) as exc:
-            if len(offsets) == 1:
-                # The partition moved to another member; it re-reads from the last
-                # committed offset and the inbox skips what this member already applied.
-                log.warning(
-                    "offset commit refused",
-                    extra={"partitions": sorted(map(str, offsets)), "error": type(exc).__name__},
-                )
-                return True
-        except KafkaError as exc:
-            # Kafka unreachable, or the group coordinator moved (its broker died) and is
-            # not found yet: keep the offsets for the next try — a newer offset finished
-            # meanwhile wins — so that a restart re-reads no more than what is uncommitted.
-            # One line per outage.
-            self._keep_pending(offsets)
-            self.kafka.failed(f"offset commit failed: {type(exc).__name__}")
-            return False
-        ok = True
-        for tp, offset in offsets.items():
-            ok = await self._commit({tp: offset}) and ok
-        return ok
+        self._kafka.pause(tp)
+
+    def _resume(self, tp: TopicPartition) -> None:
+        assert self._kafka is not None
+        with contextlib.suppress(IllegalStateError):  # no longer assigned
+            self._kafka.resume(tp)
+
+    # ------------------------------------------------------------------ release
 
     async def release(self, tps: Sequence[TopicPartition]) -> None:
         """Stop the given partitions after their current run, wait, and commit their offsets.
@@ -628,199 +558,12 @@ class ConsumerDaemon:
             lane.processor.stopping.set()
             lane.wake.set()
         await asyncio.gather(*(lane.task for lane in lanes if lane.task), return_exceptions=True)
-        await self.flush_offsets(only=[lane.tp for lane in lanes])
+        await self._offsets.flush(only=[lane.tp for lane in lanes])
         assert self.metrics is not None
         for tp in tps:  # the next owner reports these partitions' lag
             self._assigned.discard(tp)
-            self._committed.pop(tp, None)
+            self._offsets.forget(tp)
             self._end_offsets.pop(tp, None)
             self.metrics.forget_lag(tp.topic, tp.partition)
         if lanes:
             log.info("partitions released", extra={"partitions": sorted(str(x.tp) for x in lanes)})
-
-
-@dataclass
-class _Lane:
-    """One assigned partition: its fetched records, handled in offset order by the sharer
-    (short runs) or by the lane's own task (see the module docstring)."""
-
-    daemon: ConsumerDaemon
-    tp: TopicPartition
-    processor: PartitionProcessor
-    decode: Decoder  # the topic's envelope (inbox/envelopes), resolved once
-    events: list[InboxEvent] = field(default_factory=list)  # fetched, not finished
-    # Set when the lane's own task has work: a run the sharer cannot take, a retry, a
-    # quiet spell to end, or a stop.
-    wake: asyncio.Event = field(default_factory=asyncio.Event)
-    task: asyncio.Task[None] | None = None
-    # Set while this lane's records are handled, by its own task or a shared transaction
-    # (set and tested without an await in between: no lock needed on one event loop).
-    busy: bool = False
-    idle: asyncio.Event = field(default_factory=asyncio.Event)
-    position: int = -1
-    paused: bool = False
-    fetched_bytes: int = 0  # payload bytes of `events`
-    # When records last came or were finished (the quiet spell's clock), and whether one
-    # has just ended (see sweep()).
-    active_at: float = field(default_factory=time.monotonic)
-    resting: bool = False
-
-    def feed(self, records: list[ConsumerRecord[bytes, bytes]]) -> None:
-        # ENVELOPE HOOK: where records become InboxEvents (inbox/envelopes; the default,
-        # CloudEvents, is inbox/envelopes/cloudevents.py decode).
-        fresh = list(map(self.decode, records))
-        self.events.extend(fresh)
-        self.fetched_bytes += _payload_bytes(fresh)
-        self.active_at = time.monotonic()
-        if not self.busy:  # else whoever holds it offers what it leaves (settle())
-            self.daemon._offer(self)
-        # Backpressure: stop fetching this partition while it is far behind, in records
-        # or in bytes (large records).
-        config = self.daemon.settings.consumer
-        behind = len(self.events) >= config.max_batch_records * 4
-        if (behind or self.fetched_bytes >= config.max_fetched_bytes) and not self.paused:
-            assert self.daemon._kafka is not None
-            self.daemon._kafka.pause(self.tp)
-            self.paused = True
-
-    def queued(self, after: int, limit: int) -> list[InboxEvent]:
-        """Up to ``limit`` fetched events with an offset above ``after`` (the processor
-        reads ahead to arm its next run while the current one is handled)."""
-        start = bisect.bisect_right(self.events, after, key=_offset)
-        return self.events[start : start + limit]
-
-    async def progress(self, offset: int) -> None:
-        self.position = offset
-        self.daemon._progress_at = time.monotonic()
-        self.daemon._offset_done(self.tp, offset)
-
-    def settle(self) -> None:
-        """Whoever held the lane let go: drop what is finished, and offer the rest (a
-        stop, an error or more records) to the sharer, unless the own task takes it."""
-        self.busy = False
-        self.idle.set()
-        self._trim()
-        self.active_at = time.monotonic()
-        if self.events and not self.wake.is_set():
-            self.daemon._offer(self)
-
-    def sweep(self, now: float, rest: float) -> None:
-        """Called now and then by the fetch loop: end a quiet spell of ``rest`` seconds by
-        disarming the attempt marker the last commit armed ahead (in the lane's task)."""
-        if (
-            not self.busy
-            and not self.events
-            and now - self.active_at >= rest
-            and self.processor.armed_ahead
-        ):
-            self.resting = True
-            self.wake.set()
-
-    async def work(self) -> None:
-        stopping = self.processor.stopping
-        failures = 0
-        down: Dependency | None = None
-        while not stopping.is_set():
-            await self.wake.wait()
-            self.wake.clear()
-            if self.resting:
-                self.resting = False
-                await self._rest()  # records that came meanwhile are offered to the sharer
-                continue
-            if not self.events:
-                continue
-            async with self.daemon._slots:
-                await self._wait_idle()
-                if stopping.is_set():
-                    break
-                if not self.events:
-                    continue  # a shared transaction finished them
-                self.busy = True
-                try:
-                    await self.processor.process(self.queued)
-                    # Any lane's success says the database is back (the lane that saw it
-                    # go may have lost its partition meanwhile).
-                    self.daemon.database.ok()
-                    if failures and down is self.daemon.kafka:
-                        self.daemon.kafka.ok()
-                    failures = 0
-                except Exception as exc:
-                    if not _transient(exc):
-                        raise
-                    failures += 1
-                    delay = self.daemon._policy.backoff(min(failures, 10))
-                    down = self.daemon.dependency_of(exc)
-                    down.failed(_cause(exc))
-                    self.wake.set()  # try again on its own after the backoff
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(stopping.wait(), delay)
-                finally:
-                    self.settle()
-        await self._wait_idle()  # a shared transaction may still hold this partition's run
-        # If this fails, the next owner takes the armed marker for a crash: slower, still safe.
-        # In a slot: a rebalance or a stop lets go of every partition at once.
-        async with self.daemon._slots:
-            await self._disarm()
-
-    async def _rest(self) -> None:
-        """The partition went quiet: disarm the marker its last commit armed ahead, so that
-        a crash of this process (say, a handler of another partition killing it) does not
-        make this partition look as if a batch had died in it."""
-        async with self.daemon._slots:  # partitions go quiet together: not all at once
-            if self.busy or self.events:
-                return
-            self.busy = True
-            try:
-                # If this fails, the next commit, quiet spell or release tries again.
-                await self._disarm()
-            finally:
-                self.settle()
-
-    async def _disarm(self) -> None:
-        try:
-            await self.processor.release()
-        except Exception as exc:
-            if not _transient(exc):
-                raise
-            log.warning(
-                "could not disarm the attempt marker",
-                extra={"partition": str(self.tp), "error": type(exc).__name__},
-            )
-
-    async def _wait_idle(self) -> None:
-        while self.busy:
-            self.idle.clear()
-            await self.idle.wait()
-
-    def _trim(self) -> None:
-        """Drop what is finished; the rest (a stop or an error) is tried again."""
-        done = bisect.bisect_left(self.events, self.position, key=_offset)
-        self.fetched_bytes -= _payload_bytes(self.events[:done])
-        del self.events[:done]
-        config = self.daemon.settings.consumer
-        if (
-            self.paused
-            and len(self.events) < config.max_batch_records
-            and self.fetched_bytes < config.max_fetched_bytes // 2
-        ):
-            self.paused = False
-            with contextlib.suppress(IllegalStateError):
-                assert self.daemon._kafka is not None
-                self.daemon._kafka.resume(self.tp)
-
-
-def _cause(exc: BaseException) -> str:
-    """The error's class and, for framework errors, its message (they never hold secrets)."""
-    if isinstance(exc, OutboxError):
-        return f"{type(exc).__name__}: {exc}"
-    if isinstance(exc, DBAPIError | psycopg.Error):
-        return str(unavailable(exc))
-    return type(exc).__name__
-
-
-def _offset(event: InboxEvent) -> int:
-    return event.offset
-
-
-def _payload_bytes(events: Sequence[InboxEvent]) -> int:
-    return sum(len(v) for e in events if (v := e.record_value) is not None)

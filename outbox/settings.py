@@ -250,12 +250,13 @@ class ConsumerSettings(_Section):
         100, ge=1, description="Longest wait for records in one fetch; bounds shutdown latency."
     )
     linger_ms: int = Field(
-        5,
+        10,
         ge=0,
         le=1000,
         description="While records flow, a fetch waits up to this long for more (the broker "
         "holds it), so that one fetch and one transaction carry several events: less CPU per "
-        "event at steady rates, at most this much added latency (half on average). The first "
+        "event at steady rates (see the consumer's performance page), at most this much added "
+        "latency (half on average). The first "
         "record after a quiet spell is fetched at once; 0 = never wait. Off when the app sets "
         "fetch_min_bytes or fetch_max_wait_ms itself.",
     )

@@ -17,7 +17,7 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncSession
 
 import inbox
-from inbox import runner
+from inbox import offsets
 
 NAME = os.environ.get("INBOX_TEST_CONSUMER", "unconfigured")
 TOPIC = os.environ.get("INBOX_TEST_TOPIC", "unconfigured")
@@ -51,15 +51,15 @@ async def record(event: inbox.InboxEvent, session: AsyncSession) -> None:
 if MODE == "kill_after_commit" and RUNS_FILE:
     # SIGKILL the process right after the first database commit, before its offsets are
     # committed to Kafka: the restarted consumer re-reads what was already applied.
-    _commit = runner.ConsumerDaemon._commit
+    _commit = offsets.OffsetCommitter._commit
     _marker = Path(RUNS_FILE)
 
     async def _kill_before_offset_commit(
-        self: runner.ConsumerDaemon, offsets: dict[object, int]
+        self: offsets.OffsetCommitter, pending: dict[object, int]
     ) -> bool:
         if not _marker.exists():
-            _marker.write_text(str(max(offsets.values())))
+            _marker.write_text(str(max(pending.values())))
             os.kill(os.getpid(), signal.SIGKILL)
-        return await _commit(self, offsets)  # type: ignore[arg-type]
+        return await _commit(self, pending)  # type: ignore[arg-type]
 
-    runner.ConsumerDaemon._commit = _kill_before_offset_commit  # type: ignore[method-assign]
+    offsets.OffsetCommitter._commit = _kill_before_offset_commit  # type: ignore[method-assign,assignment]

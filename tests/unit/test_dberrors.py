@@ -8,7 +8,7 @@ import pytest
 from sqlalchemy.exc import IntegrityError, InternalError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 
-from inbox.runner import _transient
+from inbox.failures import is_infrastructure
 from outbox.db import describe, translate
 from outbox.dberrors import (
     CONFLICT,
@@ -92,7 +92,7 @@ def test_outages_translate_to_database_unavailable_with_their_cause() -> None:
 def test_daemons_retry_outages_and_conflicts_never_refusals() -> None:
     for code in OUTAGES + CONFLICTS:
         assert is_transient(psycopg.errors.lookup(code)("x")), code
-        assert _transient(psycopg.errors.lookup(code)("x")), code
+        assert is_infrastructure(psycopg.errors.lookup(code)("x")), code
     for code in REFUSALS:
         assert not is_transient(psycopg.errors.lookup(code)("x")), code
     # As before: the driver's other operational errors are worth another try; the rest not.

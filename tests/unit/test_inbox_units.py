@@ -22,6 +22,7 @@ from outbox.errors import InvalidIdentifier
 from tests.support.records import Rec
 
 if TYPE_CHECKING:
+    from inbox.offsets import OffsetCommitter
     from inbox.runner import ConsumerDaemon
 
 
@@ -181,6 +182,17 @@ def test_healthz_is_unhealthy_only_when_waiting_records_make_no_progress() -> No
     assert daemon.healthy()  # caught up: quiet is fine
 
 
+def _committer() -> OffsetCommitter:
+    """An offset committer (inbox/offsets.py) with no consumer yet."""
+    import logging
+
+    from inbox.offsets import OffsetCommitter
+    from outbox.outages import Dependency
+    from outbox.resilience.retry import RetryPolicy
+
+    return OffsetCommitter(Dependency("Kafka", logging.getLogger("t")), RetryPolicy(0.1, 1, 3), 100)
+
+
 async def test_a_commit_cancelled_at_shutdown_leaves_its_offsets_for_the_last_commit() -> None:
     # The committer is cancelled when the consumer stops, possibly while Kafka has its
     # request: the offsets it took must be pending again, or release() commits nothing and
@@ -195,19 +207,19 @@ async def test_a_commit_cancelled_at_shutdown_leaves_its_offsets_for_the_last_co
             self.asked.set()
             await asyncio.Event().wait()  # no answer before the shutdown
 
-    daemon = _daemon()
-    kafka = daemon._kafka = Kafka()  # type: ignore[assignment]
+    offsets = _committer()
+    kafka = offsets.consumer = Kafka()
     a, b = TopicPartition("t", 0), TopicPartition("t", 1)
-    daemon._offset_done(a, 10)
-    daemon._offset_done(b, 7)
-    committing = asyncio.create_task(daemon.flush_offsets())
+    offsets.done(a, 10)
+    offsets.done(b, 7)
+    committing = asyncio.create_task(offsets.flush())
     await kafka.asked.wait()
-    assert daemon._pending_offsets == {}  # taken by the commit under way
-    daemon._offset_done(a, 11)  # finished meanwhile: the newer offset wins
+    assert offsets._pending == {}  # taken by the commit under way
+    offsets.done(a, 11)  # finished meanwhile: the newer offset wins
     committing.cancel()
     with pytest.raises(asyncio.CancelledError):
         await committing
-    assert daemon._pending_offsets == {a: 11, b: 7} and daemon._offsets_ready.is_set()
+    assert offsets._pending == {a: 11, b: 7} and offsets._ready.is_set()
 
 
 async def test_an_offset_commit_kafka_did_not_take_is_tried_again() -> None:
@@ -227,19 +239,20 @@ async def test_an_offset_commit_kafka_did_not_take_is_tried_again() -> None:
                 raise KafkaConnectionError("coordinator gone")
             self.committed.append(dict(offsets))
 
-    daemon = _daemon()
-    kafka = daemon._kafka = Kafka()  # type: ignore[assignment]
+    offsets = _committer()
+    kafka = offsets.consumer = Kafka()
     a, b = TopicPartition("t", 0), TopicPartition("t", 1)
-    daemon._offset_done(a, 10)
-    daemon._offset_done(b, 7)
-    assert not await daemon.flush_offsets()
-    assert daemon._pending_offsets == {a: 10, b: 7} and daemon._offsets_ready.is_set()
-    assert not daemon.kafka.up  # one line for the outage
-    daemon._offset_done(a, 12)  # finished while Kafka was away: the newer offset wins
+    offsets.done(a, 10)
+    offsets.done(b, 7)
+    assert not await offsets.flush()
+    assert offsets._pending == {a: 10, b: 7} and offsets._ready.is_set()
+    assert not offsets.kafka.up  # one line for the outage
+    offsets.done(a, 12)  # finished while Kafka was away: the newer offset wins
     kafka.fail = False
-    assert await daemon.flush_offsets()
-    assert kafka.committed == [{a: 12, b: 7}] and daemon._pending_offsets == {}
-    assert daemon.kafka.up
+    assert await offsets.flush()
+    assert kafka.committed == [{a: 12, b: 7}] and offsets._pending == {}
+    assert offsets.committed == {a: 12, b: 7}  # the lag's reference
+    assert offsets.kafka.up
 
 
 class _Cluster:
@@ -302,3 +315,41 @@ async def test_a_background_task_that_dies_fails_the_consumers_health_loudly(
     assert not daemon.healthy()
     (error,) = [r for r in caplog.records if r.levelno == logging.ERROR]
     assert "a bug in the watch" in error.getMessage() and error.exc_info is not None
+
+
+def test_a_lane_uses_only_its_host_offers_pauses_and_resumes() -> None:
+    # inbox/lane.py: the lane sees its daemon through LaneHost alone. Records far beyond a
+    # transaction's worth pause the partition; once finished, the lane trims them, reports
+    # the offset and resumes fetching.
+    import logging
+
+    from aiokafka import TopicPartition
+
+    from inbox.lane import Lane, LaneHost
+    from outbox.outages import Dependency
+    from outbox.resilience.retry import RetryPolicy
+    from outbox.settings import ConsumerSettings
+
+    calls: list[tuple[str, object]] = []
+    host = LaneHost(
+        config=ConsumerSettings(max_batch_records=2),
+        slots=asyncio.Semaphore(1),
+        policy=RetryPolicy(0.1, 1, 3),
+        database=Dependency("database", logging.getLogger("t")),
+        kafka=Dependency("Kafka", logging.getLogger("t")),
+        offer=lambda lane: calls.append(("offer", lane.tp)),
+        finished=lambda tp, offset: calls.append(("finished", offset)),
+        pause=lambda tp: calls.append(("pause", tp)),
+        resume=lambda tp: calls.append(("resume", tp)),
+    )
+    tp = TopicPartition("t", 0)
+    decode = lambda r: SimpleNamespace(offset=r.offset, record_value=r.value)  # noqa: E731
+    lane = Lane(host, tp, SimpleNamespace(), decode)  # type: ignore[arg-type]
+    lane.feed([SimpleNamespace(offset=o, value=b"v") for o in range(8)])  # type: ignore[misc]
+    assert calls == [("offer", tp), ("pause", tp)] and lane.paused
+    assert [e.offset for e in lane.queued(3, 2)] == [4, 5]
+    asyncio.run(lane.progress(8))  # every record committed in the database
+    lane.settle()
+    assert calls[2:] == [("finished", 8), ("resume", tp)]
+    assert lane.events == [] and lane.fetched_bytes == 0 and not lane.paused
+    assert host.dependency_of(OSError()) is host.database
