@@ -55,7 +55,6 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 
 import psycopg
-from aiokafka.errors import KafkaError
 from sqlalchemy.engine import make_url
 
 from bench.common import create_topic, delete_topics
@@ -462,13 +461,7 @@ def main() -> None:
             # Alternate which build goes first: a drift in the machine's load then
             # spreads over both sides.
             for name, exe, path in builds if i % 2 == 0 else builds[::-1]:
-                try:
-                    run = one_run(settings, dbname, exe, args, logs, path)
-                except KafkaError as exc:
-                    # The shared broker lost the run's topic (another bench or suite
-                    # cleaning up): that run again, once.
-                    print(f"  {name}: run failed ({type(exc).__name__}), once more", flush=True)
-                    run = one_run(settings, dbname, exe, args, logs, path)
+                run = one_run(settings, dbname, exe, args, logs, path)
                 runs[name].append(run)
                 print(show(f"  {name:5s}", run), flush=True)
         summary = {}
