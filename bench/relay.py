@@ -316,6 +316,7 @@ def db_ceiling(settings: OutboxSettings, topic: str, rows: int) -> tuple[float, 
                     if use_store:
                         rot = (rot + 1) % len(lanes)
                         order = lanes[rot:] + lanes[:rot]
+                        cur.execute(store.fence, {"lanes": order})
                         cur.execute(
                             store.claim,
                             {

@@ -233,6 +233,9 @@ class Pipeline:
         try:
             async with conn.pipeline():
                 await conn.execute(b"BEGIN")
+                # The fences first, in a statement of their own: the claim's snapshot must be
+                # taken with them held (relay/store.py, the module docstring).
+                await conn.execute(self._store.fence, {"lanes": lanes})
                 if fresh:
                     settled = await self._take_over(conn, fresh)
                     lanes = [lane for lane in lanes if lane not in fresh or lane in settled]

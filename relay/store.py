@@ -7,15 +7,35 @@ large share of the relay's CPU. Statements are composed with ``psycopg.sql`` so 
 configured schema and table prefix (already validated by the settings) are quoted as
 identifiers; values are always bind parameters.
 
-Claiming is one statement per batch:
+Claiming is two statements per batch, sent together (one round trip, psycopg pipeline):
 
-* a MATERIALIZED CTE takes a transaction-level advisory lock (the *fence*) on each lane
-  with ``pg_try_advisory_xact_lock``. Only the lane owner claims a lane, but ownership can
-  move while an old owner's batch is still in flight (a voluntary release, or a relay whose
-  lock connection died while its claim connection lives on). The fence serializes every
-  claim transaction of a lane, so a new owner never sends a lane's later rows while an old
-  transaction still holds (and might roll back) earlier ones. It is a *try* lock, so a
-  fenced lane is simply skipped this round: nothing blocks, no deadlock is possible.
+* :attr:`RelayStore.fence` takes a transaction-level advisory lock (the *fence*) on each
+  lane with ``pg_try_advisory_xact_lock`` and records the lanes it won in a
+  transaction-local setting. Only the lane owner claims a lane, but ownership can move
+  while an old owner's batch is still in flight (a voluntary release, a relay whose lock
+  connection died while its claim connection lives on, a lane moving between a relay's
+  pipelines). The fence serializes every claim transaction of a lane, so a new owner never
+  sends a lane's later rows while an old transaction still holds (and might roll back or
+  put back) earlier ones. It is a *try* lock, so a fenced lane is simply skipped this
+  round: nothing blocks, no deadlock is possible.
+
+  The fence must be won in a statement *before* the claim, never inside it: a READ
+  COMMITTED statement takes its snapshot when it starts, before any of its CTEs run. A
+  claim that won the fence in its own first CTE could win it from an old transaction that
+  committed after that snapshot. In delete mode the rows that transaction put back are
+  new tuples (re-inserted) the snapshot cannot see, while the lane's later rows, committed
+  before, are visible: the claim takes row 11 with 6..10 back in the table, and sends a
+  key's later event first. (In keep mode the put-back is an UPDATE, and the claim's row
+  lock follows the update chain to the restored version — EvalPlanQual — because the old
+  version passes its WHERE too.) The take-over statement (:attr:`release_delays`) had the
+  hole in both modes: the old versions of rows put back with a delay do not match its
+  WHERE, so it never looks at the new ones; they stay delayed and the claim passes them.
+  tests/integration/test_relay_fence.py holds a statement in that window and showed each
+  of these before the fence had a statement of its own. So the claim, the probe
+  and the take-over only touch the lanes the fence statement won, and their snapshots are
+  taken with those fences already held: every earlier claim transaction of those lanes has
+  ended and all it did is visible to them. In a pipeline the extra statement costs no
+  round trip.
 * per lane, a LATERAL index scan on (lane, id) WHERE published_at IS NULL takes rows in id
   order with ``FOR UPDATE SKIP LOCKED`` (operator tools never block the relay and vice
   versa), starting after the lane's cursor, so that the dead entries a long-held snapshot
@@ -90,6 +110,16 @@ _WITHIN_BUDGET = sql.SQL(
     ") "
 )
 
+# The lanes whose fence this transaction won in its fence statement (see the module
+# docstring): a transaction-local setting, gone at commit or rollback; '' or unset = none.
+# Read once per statement: a scalar subquery is an InitPlan (the outer no-op cast keeps
+# `= ANY((SELECT ...)::int4[])` the array form, not `= ANY (subquery)`); parsed per lane
+# it cost ~100 µs more per claim of 64 lanes.
+FENCED_SETTING = "outbox.claim_fenced"
+_FENCED_LANES = sql.SQL(
+    "(SELECT coalesce(nullif(current_setting({name}, true), ''), '{{}}')::int4[])::int4[]"
+).format(name=sql.Literal(FENCED_SETTING))
+
 _CE_TIME = "to_char({t}.created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"')"
 
 
@@ -153,16 +183,34 @@ class RelayStore:
 
     # -- claim / acknowledge ----------------------------------------------------------
     @cached_property
+    def fence(self) -> bytes:
+        """Take the fence of each lane of %(lanes)s that no other transaction holds, and
+        record them for the statements that follow in this transaction (:attr:`claim`,
+        :attr:`probe`, :attr:`release_delays`). The first statement of every claim
+        transaction: see the module docstring for why it cannot be part of the claim.
+        Returns one row (the recorded list, as text). Bytes, like :attr:`claim`."""
+        return (
+            sql.SQL(
+                "SELECT set_config({name}, coalesce(array_agg(u.lane), '{{}}')::text, true)"
+                " FROM unnest(%(lanes)s::int4[]) AS u(lane)"
+                " WHERE pg_try_advisory_xact_lock({fence}, u.lane)"
+            )
+            .format(name=sql.Literal(FENCED_SETTING), fence=sql.Literal(self._ns[2]))
+            .as_bytes(None)
+        )
+
+    @cached_property
     def claim(self) -> bytes:
         """Params: lanes (int[] in scan order), after (int8[]: per lane, the cursor the scan
         starts after; see relay/cursor.py), limit, max_bytes. Returns ClaimedRow tuples.
+        Claims only lanes whose fence :attr:`fence` won earlier in this transaction.
 
         Bytes, composed once: psycopg would compose a ``Composed`` again on every execute
         (~5% of the relay's CPU at a steady 1,000 events/s, bench/steady.py)."""
         picked = sql.SQL(
             "WITH fenced AS MATERIALIZED ("
             " SELECT u.lane, u.after FROM unnest(%(lanes)s::int4[], %(after)s::int8[])"
-            " AS u(lane, after) WHERE pg_try_advisory_xact_lock({fence}, u.lane)"
+            " AS u(lane, after) WHERE u.lane = ANY({fenced})"
             "), picked AS ("
             " SELECT c.id, c.size FROM fenced f CROSS JOIN LATERAL ("
             "  SELECT e.id, coalesce(octet_length(e.payload), 0) AS size FROM {events} e"
@@ -171,7 +219,7 @@ class RelayStore:
             "  ORDER BY e.id LIMIT %(limit)s FOR UPDATE SKIP LOCKED"
             " ) c LIMIT %(limit)s"
             "), "
-        ).format(fence=sql.Literal(self._ns[2]), events=self._events)
+        ).format(fenced=_FENCED_LANES, events=self._events)
         # id = ANY(ARRAY(...)): one primary-key probe per picked row. A join with the
         # picked rows may be planned as a merge join over the whole primary key, which walks
         # every dead entry of a held snapshot even when nothing was picked.
@@ -189,9 +237,9 @@ class RelayStore:
 
     @cached_property
     def probe(self) -> bytes:
-        """Per lane whose fence this transaction holds (or now takes), the lowest id in
-        (after, horizon] still pending to it; NULL when there is none. Runs after the claim
-        in the claim's transaction: rows it claimed are no longer pending to it.
+        """Per lane whose fence this transaction holds (won by :attr:`fence`), the lowest id
+        in (after, horizon] still pending to it; NULL when there is none. Runs after the
+        claim in the claim's transaction: rows it claimed are no longer pending to it.
 
         Params: lanes, after (as for :attr:`claim`), horizon. Returns (lane, id or NULL).
         Bytes, like :attr:`claim`.
@@ -200,14 +248,14 @@ class RelayStore:
             sql.SQL(
                 "WITH fenced AS MATERIALIZED ("
                 " SELECT u.lane, u.after FROM unnest(%(lanes)s::int4[], %(after)s::int8[])"
-                " AS u(lane, after) WHERE pg_try_advisory_xact_lock({fence}, u.lane)"
+                " AS u(lane, after) WHERE u.lane = ANY({fenced})"
                 ") SELECT f.lane, p.id FROM fenced f LEFT JOIN LATERAL ("
                 " SELECT e.id FROM {events} e"
                 " WHERE e.lane = f.lane AND e.id > f.after AND e.id <= %(horizon)s"
                 " AND e.published_at IS NULL ORDER BY e.id LIMIT 1"
                 ") p ON true"
             )
-            .format(fence=sql.Literal(self._ns[2]), events=self._events)
+            .format(fenced=_FENCED_LANES, events=self._events)
             .as_bytes(None)
         )
 
@@ -265,19 +313,19 @@ class RelayStore:
     def release_delays(self) -> sql.Composed:
         """Lanes just taken over: rows put back with a delay for an unavailable partition or
         a missing topic (``last_error`` LIKE any of %(held)s) become due now. Params: lanes,
-        held. Takes the
-        claim fence of each lane it can (an old owner's transaction may still hold one) and
-        returns those lanes; the claim that follows in the same transaction keeps them."""
+        held. Only lanes whose fence :attr:`fence` won earlier in this transaction (an old
+        owner's transaction may still hold one): returns those lanes; the claim that
+        follows in the same transaction claims them."""
         return sql.SQL(
             "WITH fenced AS MATERIALIZED ("
             " SELECT u.lane FROM unnest(%(lanes)s::int4[]) AS u(lane)"
-            " WHERE pg_try_advisory_xact_lock({fence}, u.lane)"
+            " WHERE u.lane = ANY({fenced})"
             "), due AS ("
             " UPDATE {events} e SET available_at = now() FROM fenced f"
             " WHERE e.lane = f.lane AND e.published_at IS NULL AND e.available_at > now()"
             " AND e.last_error LIKE ANY(%(held)s::text[])"
             ") SELECT lane FROM fenced"
-        ).format(fence=sql.Literal(self._ns[2]), events=self._events)
+        ).format(fenced=_FENCED_LANES, events=self._events)
 
     @cached_property
     def restore(self) -> sql.Composed:

@@ -348,6 +348,7 @@ def test_a_claim_stops_at_its_byte_budget_keeping_each_lane_a_prefix(
     def claim(max_bytes: int) -> list[tuple[int, int]]:
         with psycopg.connect(s.libpq_dsn) as conn:  # rolled back on leaving: nothing claimed
             cur = conn.cursor(binary=True)
+            cur.execute(store.fence, {"lanes": [1, 0]})
             cur.execute(
                 store.claim,
                 {"lanes": [1, 0], "after": [LANE_START] * 2, "limit": 100, "max_bytes": max_bytes},

@@ -206,6 +206,7 @@ async def test_a_tombstone_put_back_or_parked_by_the_relay_keeps_its_null_payloa
         conn.execute(events.update().values(available_at=func.now()))
     store = RelayStore(settings)
     with psycopg.connect(settings.libpq_dsn) as conn:
+        conn.execute(store.fence, {"lanes": list(range(settings.lanes))})
         claimed = conn.execute(
             store.claim,
             {
