@@ -84,9 +84,8 @@ class Relay:
         while not stopping.is_set():
             await sleep_unless(stopping, STATUS_EVERY_SECONDS)
             if not stopping.is_set():
-                log.info(
-                    "relay status", extra={"relay_id": self.lanes.relay_id, **self.metrics.status()}
-                )
+                figures = self.metrics.status(self.settings.source)
+                log.info("relay status", extra={"relay_id": self.lanes.relay_id, **figures})
 
     async def serve(self) -> None:
         """:meth:`run` with SIGTERM and SIGINT mapped to :meth:`stop`."""

@@ -111,21 +111,30 @@ class RelayMetrics:
         for name, gauge in self.wal.items():
             gauge.set(getattr(values, name))
 
-    def status(self) -> dict[str, float]:
-        """The figures of the relay's periodic status line, read back from the metrics."""
+    def status(self, source: str = "table") -> dict[str, float]:
+        """The figures of the relay's periodic status line, read back from the metrics: the
+        outbox table's for the table source, the slot's for the WAL source."""
         r = self.registry
 
         def value(name: str) -> float:
             return r.get_sample_value(name) or 0.0
 
-        return {
+        shared = {
             "published": value("outbox_relay_published_total"),
             "moved_to_failed": value("outbox_relay_moved_to_failed_total"),
+            "kafka_up": value("outbox_relay_kafka_up"),
+            "partitions_unavailable": value("outbox_relay_partitions_unavailable"),
+        }
+        if source == "wal":  # -1: not measured yet (or no slot)
+            return shared | {
+                "wal_unconfirmed_bytes": value("outbox_relay_wal_unconfirmed_bytes"),
+                "wal_lag_seconds": round(value("outbox_relay_wal_lag_seconds"), 3),
+                "wal_slot_status": value("outbox_relay_wal_slot_status"),
+            }
+        return shared | {
             "pending": value("outbox_relay_pending_events"),
             "oldest_age_seconds": round(value("outbox_relay_oldest_pending_age_seconds"), 3),
             "owned_lanes": value("outbox_relay_owned_lanes"),
-            "kafka_up": value("outbox_relay_kafka_up"),
             "outbox_dead_rows": value("outbox_relay_outbox_dead_rows"),
             "oldest_snapshot_seconds": round(value("outbox_relay_oldest_snapshot_age_seconds")),
-            "partitions_unavailable": value("outbox_relay_partitions_unavailable"),
         }

@@ -224,3 +224,16 @@ async def test_a_leader_watch_that_dies_fails_the_relays_health_and_is_not_resta
     assert starts == [1]
     (error,) = [r for r in caplog.records if r.levelno == logging.ERROR]
     assert "relay leader watch died" in error.getMessage()
+
+
+def test_the_status_line_names_the_figures_of_the_source_that_runs() -> None:
+    # The WAL source has no outbox rows, lanes or claim snapshots: its status line says how
+    # far behind the slot is instead (-1 until the gauges are first read).
+    from relay.metrics import RelayMetrics
+
+    metrics = RelayMetrics()
+    table, wal = metrics.status("table"), metrics.status("wal")
+    shared = {"published", "moved_to_failed", "kafka_up", "partitions_unavailable"}
+    assert shared | {"pending", "oldest_age_seconds", "owned_lanes"} <= set(table)
+    assert set(wal) == shared | {"wal_unconfirmed_bytes", "wal_lag_seconds", "wal_slot_status"}
+    assert wal["wal_lag_seconds"] == -1 and "pending" not in wal
