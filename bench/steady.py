@@ -28,10 +28,11 @@ build's ``outbox`` executable alternately (the consumer is always this build's),
 topic each run, and prints the medians of each side. ``--consumer-vs NAME=DIR`` does the
 same for the consumer: this build's ``outbox consume`` against one run with ``PYTHONPATH=DIR``
 (another checkout's ``outbox`` and ``inbox`` packages, e.g. a ``git worktree`` of the commit
-before), the relay being this build's. ``--profile`` samples the relay with py-spy
-(folded stacks, idle excluded) and, with ``--consumer``, prints where the consumer's CPU
-went by stage (``bench/cpuprofile.py``: CPU-time samples, from the stream's first event to
-its last one handled).
+before), the relay being this build's. ``--checkout NAME=DIR`` runs both daemons from that
+checkout (a before/after of a change touching the relay and the consumer). ``--profile``
+samples the relay with py-spy (folded stacks, idle excluded) and, with ``--consumer``,
+prints where the consumer's CPU went by stage (``bench/cpuprofile.py``: CPU-time samples,
+from the stream's first event to its last one handled).
 """
 
 from __future__ import annotations
@@ -422,6 +423,13 @@ def main() -> None:
         default=[],
         help="another checkout to run the consumer from (PYTHONPATH); implies --consumer",
     )
+    ap.add_argument(
+        "--checkout",
+        metavar="NAME=DIR",
+        action="append",
+        default=[],
+        help="another checkout to run both the relay and the consumer from (PYTHONPATH)",
+    )
     ap.add_argument("--pairs", type=int, default=3)
     args = ap.parse_args()
     args.consumer = args.consumer or bool(args.consumer_vs)
@@ -453,6 +461,13 @@ def main() -> None:
     for i, v in enumerate(args.consumer_vs):
         name, path = v.split("=", 1) if "=" in v else (f"consumer{i or ''}", v)
         builds.append((name, own_outbox(), str(Path(path).resolve())))
+    for v in args.checkout:
+        name, path = v.split("=", 1)
+        checkout = str(Path(path).resolve())
+        relay = logs / f"outbox-{name}"  # that checkout's CLI, on this interpreter
+        relay.write_text(f'#!/bin/sh\nPYTHONPATH={checkout} exec {sys.executable} -m cli "$@"\n')
+        relay.chmod(0o755)
+        builds.append((name, str(relay), checkout))
     several = len(builds) > 1
     runs: dict[str, list[Run]] = {name: [] for name, _, _ in builds}
     try:

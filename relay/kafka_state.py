@@ -9,7 +9,9 @@ import logging
 
 from outbox.outages import Dependency
 from outbox.resilience.retry import RetryPolicy
+from relay.errors import PartitionUnavailable, ProducerBroken
 from relay.metrics import RelayMetrics
+from relay.outcome import Outcome
 
 log = logging.getLogger("relay.kafka")
 
@@ -43,3 +45,30 @@ class KafkaState:
     def backoff(self) -> float:
         """Full-jitter delay before the next try (0 while Kafka is up)."""
         return 0.0 if self.up else self._retry.backoff(self.failures - 1)
+
+    def record(
+        self, outcome: Outcome, rows: int, seconds: float, metrics: RelayMetrics, quiet: bool
+    ) -> None:
+        """A publish of ``rows`` rows that took ``seconds``: its metrics, and whether it
+        says Kafka is up or down. Down when it answers nothing: the publish failed as a
+        whole, or (``quiet``: no partition at all was acknowledged for a whole ack timeout)
+        its partitions are unavailable. Some sick partitions are the publisher's business
+        (logged and counted per partition)."""
+        metrics.batch_size.observe(rows)
+        metrics.batch_seconds.observe(seconds)
+        metrics.published.inc(len(outcome.acked))
+        for exc in outcome.failed.values():
+            metrics.errors.labels(type(exc).__name__).inc()
+        if outcome.acked:
+            self.ok()
+            return
+        transient = outcome.transient
+        if isinstance(transient, ProducerBroken):
+            transient = None  # the publisher replaced that producer; its rows go again
+        if transient is None and quiet:
+            unavailable = [
+                e for e in outcome.failed.values() if isinstance(e, PartitionUnavailable)
+            ]
+            transient = unavailable[0] if unavailable else None
+        if transient is not None:
+            self.failed(transient)

@@ -38,7 +38,7 @@ from outbox.settings import OutboxSettings
 from relay import tracing
 from relay.crew import Crew
 from relay.cursor import ClaimCursors
-from relay.errors import PartitionUnavailable, ProducerBroken, RecordRejected
+from relay.errors import PartitionUnavailable, RecordRejected
 from relay.failed import report_moved
 from relay.kafka_state import KafkaState
 from relay.lanes import LaneManager
@@ -384,27 +384,5 @@ class Pipeline:
         """Metrics and Kafka state once the batch's transaction is over."""
         if outcome is None:
             return
-        m = self._metrics
-        m.batch_size.observe(len(rows))
-        m.batch_seconds.observe(ended - started)
-        m.published.inc(len(outcome.acked))
-        for exc in outcome.failed.values():
-            m.errors.labels(type(exc).__name__).inc()
-        if outcome.acked:
-            self._kafka.ok()
-            return
-        # Kafka is down when it answers nothing: this batch failed as a whole, or its
-        # partitions are unavailable and no partition at all was acknowledged for a whole
-        # ack timeout. Some sick partitions are the publisher's business (logged and
-        # counted per partition).
-        transient = outcome.transient
-        if isinstance(transient, ProducerBroken):
-            transient = None  # the publisher replaced that producer; its rows go again
         quiet = ended - self._publisher.last_ack >= self._settings.relay.ack_timeout_seconds
-        if transient is None and quiet:
-            unavailable = [
-                e for e in outcome.failed.values() if isinstance(e, PartitionUnavailable)
-            ]
-            transient = unavailable[0] if unavailable else None
-        if transient is not None:
-            self._kafka.failed(transient)
+        self._kafka.record(outcome, len(rows), ended - started, self._metrics, quiet)

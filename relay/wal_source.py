@@ -28,7 +28,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import Any
 
 import psycopg
@@ -48,6 +48,7 @@ from relay.errors import PartitionUnavailable, ProducerBroken, RecordRejected, S
 from relay.failed import report_moved
 from relay.kafka_state import KafkaState
 from relay.metrics import RelayMetrics
+from relay.outcome import Outcome
 from relay.publisher import Publisher
 from relay.store import CE_ID, EVENT_TYPE, KEY, PAYLOAD, TOPIC, ClaimedRow, RelayStore
 from relay.waiting import sleep_unless
@@ -272,22 +273,25 @@ class WalSource:
         conn = self._conn
         assert conn is not None
         slot = self._settings.wal.slot
-        state = await (await conn.execute(self._store.slot_state, {"slot": slot})).fetchone()
-        if state is None:
+        async with conn.cursor(row_factory=dict_row) as cur:
+            await cur.execute(WAL_SLOT, {"slot": slot})
+            row = await cur.fetchone()
+        if row is None:
             if self.confirmed is not None:
                 # This process read the slot before (it went away while the reader was
                 # reconnecting): the events past what it confirmed may be gone.
                 since = lsn_text(self.confirmed)
                 raise SlotLost(slot, since, "dropped while the relay was reconnecting")
             raise SlotMissing(slot)
-        confirmed, wal_status, ours = state
-        if not ours:
+        state = SlotState(**row)
+        why = state.mismatch(conn.info.dbname)
+        if why is not None:
             raise WalSlotMismatch(
-                f"replication slot {slot!r} is not a pgoutput slot of this database "
-                "(physical, another plugin or another database): name another one in "
-                "OUTBOX_WAL__SLOT, or drop it and run `outbox wal setup`"
+                f"replication slot {slot!r} {why}: name another one in OUTBOX_WAL__SLOT, "
+                "or drop it and run `outbox wal setup`"
             )
-        if wal_status == "lost":
+        confirmed = state.confirmed_flush_lsn
+        if state.wal_status == "lost":
             raise SlotLost(slot, confirmed, "invalidated: wal_status is 'lost'")
         got = await (await conn.execute(self._store.try_lock)).fetchone()
         if not (got and got[0]):
@@ -485,13 +489,13 @@ class WalSource:
         if not alone:
             started = loop.time()
             outcome = await self._publisher.publish(rows, started)
-            self._count(rows, outcome.acked, outcome.failed, loop.time() - started)
+            self._record(outcome, len(rows), loop.time() - started)
             return outcome.failed
         failed: dict[int, Exception] = {}
         for j, row in enumerate(rows):
             started = loop.time()
             outcome = await self._publisher.publish([row], started)
-            self._count([row], outcome.acked, outcome.failed, loop.time() - started)
+            self._record(outcome, 1, loop.time() - started)
             if outcome.failed:
                 failed[j] = exc = outcome.failed[0]
                 if not isinstance(exc, RecordRejected):
@@ -500,32 +504,10 @@ class WalSource:
                     break
         return failed
 
-    def _count(
-        self,
-        rows: Sequence[ClaimedRow],
-        acked: Sequence[int],
-        failed: dict[int, Exception],
-        seconds: float,
-    ) -> None:
-        m = self._metrics
-        m.batch_size.observe(len(rows))
-        m.batch_seconds.observe(seconds)
-        m.published.inc(len(acked))
-        for exc in failed.values():
-            m.errors.labels(type(exc).__name__).inc()
-        if acked:
-            self._kafka.ok()
-            return
-        transient = next(
-            (
-                e
-                for e in failed.values()
-                if not isinstance(e, RecordRejected | TopicMissing | PartitionUnavailable)
-            ),
-            None,
-        )
-        if transient is not None and not isinstance(transient, ProducerBroken):
-            self._kafka.failed(transient)
+    def _record(self, outcome: Outcome, rows: int, seconds: float) -> None:
+        # Not quiet: a stalled partition's rows wait in place here (the read waits for
+        # them), so only a publish that failed as a whole says Kafka is down.
+        self._kafka.record(outcome, rows, seconds, self._metrics, quiet=False)
 
     async def _side_conn(self) -> psycopg.AsyncConnection[tuple[Any, ...]]:
         """The autocommit connection of the table check and the failed table: a failed

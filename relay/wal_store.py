@@ -46,14 +46,6 @@ class WalStore:
             sql.Literal(ns), sql.Literal(key)
         )
 
-    # Params: slot. confirmed_flush_lsn as text (NULL for a physical slot); whether the
-    # slot is a pgoutput slot of this database (slot names are server-wide).
-    slot_state = (
-        "SELECT confirmed_flush_lsn::text, wal_status,"
-        " plugin = 'pgoutput' AND database = current_database()"
-        " FROM pg_replication_slots WHERE slot_name = %(slot)s"
-    )
-
     @cached_property
     def peek(self) -> sql.Composed:
         """Up to ``n`` changes from the slot's confirmed position (params: slot, n); whole
