@@ -250,7 +250,7 @@ class ConsumerSettings(_Section):
         100, ge=1, description="Longest wait for records in one fetch; bounds shutdown latency."
     )
     linger_ms: int = Field(
-        10,
+        5,
         ge=0,
         le=1000,
         description="While records flow, a fetch waits up to this long for more (the broker "
