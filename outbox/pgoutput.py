@@ -52,7 +52,7 @@ def _time(micros: int) -> str:
     return moment.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
-def begin(data: bytes) -> Begin:
+def begin(data: bytes | memoryview) -> Begin:
     try:
         final_lsn, commit_time, _ = _BEGIN.unpack_from(data, 1)
     except struct.error as exc:
@@ -60,7 +60,9 @@ def begin(data: bytes) -> Begin:
     return Begin(final_lsn, _time(commit_time), _PG_EPOCH_UNIX + commit_time / 1e6, commit_time)
 
 
-def message(data: bytes) -> Message:
+def message(data: bytes | memoryview) -> Message:
+    if not isinstance(data, bytes):  # e.g. a record of the replication stream
+        data = bytes(data)
     view = memoryview(data)
     try:
         flags, lsn = _MESSAGE_HEAD.unpack_from(view, 1)
@@ -75,7 +77,7 @@ def message(data: bytes) -> Message:
     return Message(bool(flags & 1), lsn, prefix, view[start:])
 
 
-def commit(data: bytes) -> Commit:
+def commit(data: bytes | memoryview) -> Commit:
     try:
         _, _, end_lsn, _ = _COMMIT.unpack_from(data, 1)
     except struct.error as exc:
