@@ -61,15 +61,24 @@ def begin(data: bytes | memoryview) -> Begin:
 
 
 def message(data: bytes | memoryview) -> Message:
-    if not isinstance(data, bytes):  # e.g. a record of the replication stream
-        data = bytes(data)
+    """A Message record; its content a memoryview of ``data`` (no copy)."""
     view = memoryview(data)
+    at = 1 + _MESSAGE_HEAD.size
     try:
         flags, lsn = _MESSAGE_HEAD.unpack_from(view, 1)
-        nul = data.index(0, 1 + _MESSAGE_HEAD.size)
-        prefix = bytes(view[1 + _MESSAGE_HEAD.size : nul]).decode()
+        # The prefix is short: look for its end in a small copy of the head only.
+        nul = at + bytes(view[at : at + 256]).index(0)
+    except struct.error as exc:
+        raise WalRecordInvalid(f"pgoutput Message record: {exc}") from None
+    except ValueError:
+        try:
+            nul = at + bytes(view[at:]).index(0)
+        except ValueError as exc:
+            raise WalRecordInvalid(f"pgoutput Message record: {exc}") from None
+    prefix = bytes(view[at:nul]).decode()
+    try:
         (n,) = _LEN.unpack_from(view, nul + 1)
-    except (struct.error, ValueError) as exc:
+    except struct.error as exc:
         raise WalRecordInvalid(f"pgoutput Message record: {exc}") from None
     start = nul + 1 + _LEN.size
     if start + n != len(view):

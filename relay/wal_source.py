@@ -35,7 +35,6 @@ import logging
 import time
 import uuid
 from collections import deque
-from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import psycopg
@@ -86,23 +85,12 @@ MISSING_TOPIC_RECHECK_SECONDS = 5.0
 _DROPPED, _INVALID = "42704", "55000"
 
 
-def _row(event: wal_codec.WalEvent, ce_time: str) -> ClaimedRow:
-    """A WAL event in the claimed-row layout the publisher takes (relay/store.py); id,
-    lane, attempts and fingerprint only matter if it goes to the failed table."""
-    return (
-        0,
-        0,
-        event.topic,
-        event.key,
-        event.payload,
-        str(event.event_id),
-        event.event_type,
-        event.source,
-        event.content_type,
-        event.headers,
-        ce_time,
-        0,
-        b"",
+def _unreadable(exc: wal_codec.WalMessageInvalid, lsn: int) -> wal_codec.WalMessageInvalid:
+    """An outbox message that cannot be read stops the relay with where it is (the slot
+    stays before it: skipping it would lose its events)."""
+    return wal_codec.WalMessageInvalid(
+        f"{exc} (message at LSN {lsn_text(lsn)}; to skip it and lose what it carries, "
+        "advance the slot past its transaction with pg_replication_slot_advance)"
     )
 
 
@@ -431,13 +419,37 @@ class WalSource:
                     msg = pgoutput.message(item)
                     if msg.prefix != prefix or not msg.transactional:
                         continue
-                    for event in self._events(msg):
-                        key = event.key
-                        stream = streams[hash(key) % n_streams if key else 0]
-                        stream.rows.append(_row(event, ce_time))
-                        stream.bytes += len(event.payload or b"")
-                        if len(stream.rows) >= batch_size or stream.bytes >= batch_bytes:
-                            await self._hand_over(stream, stopping, ws, streams, marks)
+                    try:
+                        for event in wal_codec.decode(msg.content):
+                            key = event.key
+                            stream = streams[hash(key) % n_streams if key else 0]
+                            payload = event.payload
+                            # The claimed-row layout the publisher takes (relay/store.py);
+                            # id, lane, attempts and fingerprint only matter if it goes to
+                            # the failed table (set then).
+                            stream.rows.append(
+                                (
+                                    0,
+                                    0,
+                                    event.topic,
+                                    key,
+                                    payload,
+                                    event.event_id,
+                                    event.event_type,
+                                    event.source,
+                                    event.content_type,
+                                    event.headers,
+                                    ce_time,
+                                    0,
+                                    b"",
+                                )
+                            )
+                            if payload is not None:
+                                stream.bytes += len(payload)
+                            if len(stream.rows) >= batch_size or stream.bytes >= batch_bytes:
+                                await self._hand_over(stream, stopping, ws, streams, marks)
+                    except wal_codec.WalMessageInvalid as exc:
+                        raise _unreadable(exc, msg.lsn) from None
                 elif kind == begin_kind:
                     begin = pgoutput.begin(item)
                     in_txn = True
@@ -496,19 +508,6 @@ class WalSource:
         assert self._conn is not None
         await self._conn.execute(self._store.heartbeat, {"prefix": self._heartbeat_prefix})
         self._last_commit_at = asyncio.get_running_loop().time()
-
-    @staticmethod
-    def _events(msg: pgoutput.Message) -> Iterator[wal_codec.WalEvent]:
-        """The events of an outbox message; one that cannot be read stops the relay with
-        where it is (the slot stays before it: skipping it would lose its events)."""
-        try:
-            yield from wal_codec.decode(msg.content)
-        except wal_codec.WalMessageInvalid as exc:
-            raise wal_codec.WalMessageInvalid(
-                f"{exc} (message at LSN {lsn_text(msg.lsn)}; to skip it and lose what it "
-                "carries, advance the slot past its transaction with "
-                "pg_replication_slot_advance)"
-            ) from None
 
     async def _hand_over(
         self,
@@ -623,9 +622,13 @@ class WalSource:
         ended before this look, so any row older than it was seen (a row committed
         later is newer). The position is read first, the table in a later snapshot."""
         conn = await self._side_conn()
-        row = await (await conn.execute(self._store.insert_lsn)).fetchone()
+        # One round trip; each statement still takes its own snapshot (read committed).
+        async with conn.pipeline():
+            at = await conn.execute(self._store.insert_lsn)
+            look = await conn.execute(self._store.table_pending)
+        row = await at.fetchone()
         covered = lsn_int(str(row[0])) if row else 0
-        row = await (await conn.execute(self._store.table_pending)).fetchone()
+        row = await look.fetchone()
         pending = bool(row and row[0])
         if pending != self._table_busy:
             self._table_busy = pending
