@@ -135,7 +135,7 @@ def decode(content: bytes | memoryview) -> Iterator[WalEvent]:
         _HEAD.unpack_from,
         _HEAD.size,
     )
-    names = _CONTENT_NAMES
+    names, new_tuple = _CONTENT_NAMES, tuple.__new__
     while pos < end:
         start = pos
         try:
@@ -180,14 +180,18 @@ def decode(content: bytes | memoryview) -> Iterator[WalEvent]:
         if bool(tombstone) != (ctype == 0):
             raise WalMessageInvalid("garbled WAL message: tombstone flag and content type differ")
         h = raw_id.hex()
-        yield WalEvent(
-            f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}",
-            topic,
-            key,
-            event_type,
-            source,
-            names[ctype],
-            None if tombstone else data[pos:stop],
-            headers,
+        # tuple.__new__ builds the WalEvent without the Python-level __new__ frame.
+        yield new_tuple(
+            WalEvent,
+            (
+                f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}",
+                topic,
+                key,
+                event_type,
+                source,
+                names[ctype],
+                None if tombstone else data[pos:stop],
+                headers,
+            ),
         )
         pos = stop

@@ -420,10 +420,17 @@ class WalSource:
                     if msg.prefix != prefix or not msg.transactional:
                         continue
                     try:
-                        for event in wal_codec.decode(msg.content):
-                            key = event.key
+                        for (
+                            event_id,
+                            topic,
+                            key,
+                            event_type,
+                            source,
+                            content_type,
+                            payload,
+                            headers,
+                        ) in wal_codec.decode(msg.content):
                             stream = streams[hash(key) % n_streams if key else 0]
-                            payload = event.payload
                             # The claimed-row layout the publisher takes (relay/store.py);
                             # id, lane, attempts and fingerprint only matter if it goes to
                             # the failed table (set then).
@@ -431,14 +438,14 @@ class WalSource:
                                 (
                                     0,
                                     0,
-                                    event.topic,
+                                    topic,
                                     key,
                                     payload,
-                                    event.event_id,
-                                    event.event_type,
-                                    event.source,
-                                    event.content_type,
-                                    event.headers,
+                                    event_id,
+                                    event_type,
+                                    source,
+                                    content_type,
+                                    headers,
                                     ce_time,
                                     0,
                                     b"",

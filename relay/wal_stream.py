@@ -33,20 +33,14 @@ from typing import Any
 import psycopg
 from psycopg import pq
 
-from outbox.errors import ConfigurationError
 from outbox.settings import OutboxSettings
+from relay.errors import ReplicationRefused
 
 _XLOG, _KEEPALIVE = ord("w"), ord("k")
 _XLOG_HEAD = 25  # 'w' + three int64
 _KEEPALIVE_BODY = struct.Struct(">qqB")
 _STATUS = struct.Struct(">cqqqqB")
 _PG_EPOCH_UNIX = 946_684_800  # 2000-01-01 UTC: the protocol's clock starts there
-
-
-class ReplicationRefused(ConfigurationError):
-    """The database refused a replication connection for good: a role without REPLICATION,
-    or a connection pooler that does not pass replication connections (the WAL source
-    needs a direct connection to PostgreSQL: ``relay.database_url``)."""
 
 
 def _error(result: pq.abc.PGresult | None, pgconn: pq.abc.PGconn) -> psycopg.Error:
