@@ -12,7 +12,7 @@ import re
 import threading
 import time
 import urllib.request
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
@@ -34,19 +34,14 @@ from tests.support.relay import (
     relay_env,
     verdict,
 )
-from tests.support.wal import confirmed_lsn, drop_slot, wal_env, wal_source
+from tests.support.wal import confirmed_lsn, drop_slot, slot_reader, wait_until, wal_relay_env
+from tests.support.wal import settings as settings  # the fixture
 
 pytestmark = pytest.mark.integration
 
 
-@pytest.fixture
-def settings(isolated_settings: OutboxSettings) -> Iterator[OutboxSettings]:
-    with wal_source(isolated_settings) as own:
-        yield own
-
-
 def _env(settings: OutboxSettings, **extra: str) -> dict[str, str]:
-    return relay_env(settings, **wal_env(settings), **extra)
+    return wal_relay_env(settings, **extra)
 
 
 def _metrics_when(port: int, wanted: Callable[[list[str]], bool], timeout: float = 30) -> None:
@@ -60,16 +55,7 @@ def _metrics_when(port: int, wanted: Callable[[list[str]], bool], timeout: float
             found = answer.read().decode().splitlines()
         return wanted(found)
 
-    assert _wait_for(shows, timeout), found
-
-
-def _wait_for(what: Callable[[], bool], timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while not what():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.1)
-    return True
+    assert wait_until(shows, timeout), found
 
 
 async def test_round_trip_in_key_order_with_every_envelope_field(
@@ -204,7 +190,7 @@ async def test_sigkilled_readers_lose_nothing_and_a_standby_takes_over(
             others = [r for r in relays if r is not victim]
             relays[relays.index(victim)] = RelayProcess(env, tmp_path, f"r-{kills}")
             # A standby takes over (not the relay started in the victim's place).
-            if await asyncio.to_thread(_wait_for, lambda o=others: reader(o) is not None, 30):
+            if await asyncio.to_thread(wait_until, lambda o=others: reader(o) is not None, 30):
                 takeovers += 1
         producer.join()
         records = await read_ids(settings.kafka_bootstrap_servers, topic, ids, 120)
@@ -252,7 +238,9 @@ async def test_a_refused_event_goes_to_the_failed_table_and_the_slot_moves_on(
     try:
         records = await read_ids(kafka_bootstrap, topic, [str(before[0]), str(before[2])])
         failed = build_tables(settings).failed
-        found = await asyncio.to_thread(_wait_for, lambda: _count(engine, failed.fullname) == 1, 60)
+        found = await asyncio.to_thread(
+            wait_until, lambda: _count(engine, failed.fullname) == 1, 60
+        )
         assert found, relay.log()[-3000:]
         with engine.connect() as conn:
             row = conn.execute(
@@ -268,7 +256,7 @@ async def test_a_refused_event_goes_to_the_failed_table_and_the_slot_moves_on(
         retried = await asyncio.to_thread(outbox_cli, "failed", "retry", "--all", env=env)
         assert retried.returncode == 0 and "requeued 1" in retried.stdout, retried
         again = await asyncio.to_thread(
-            _wait_for, lambda: relay.log().count("moved to failed") == 2, 60
+            wait_until, lambda: relay.log().count("moved to failed") == 2, 60
         )
         assert again, relay.log()[-3000:]
         assert _count(engine, build_tables(settings).events.fullname) == 0
@@ -409,31 +397,27 @@ async def test_switching_from_table_to_wal_under_a_stream_keeps_every_key_in_ord
     assert (v.lost, v.out_of_order, v.unexpected) == (0, 0, 0), v
 
 
-async def test_an_idle_slot_keeps_advancing_through_heartbeats(
-    engine: Engine, settings: OutboxSettings, tmp_path: Path
+@pytest.mark.parametrize("heartbeat", ["0.5", "3600"], ids=["heartbeats", "keepalives"])
+async def test_an_idle_slot_keeps_advancing(
+    engine: Engine, settings: OutboxSettings, tmp_path: Path, heartbeat: str
 ) -> None:
-    # No event at all, only other writes: without the relay's transactional heartbeat the
-    # slot would have no commit to confirm and would hold all that WAL.
-    env = _env(settings, OUTBOX_WAL__HEARTBEAT_SECONDS="0.5")
+    # No event at all, only other writes: the slot still moves past them, through the
+    # relay's transactional heartbeats (a commit to confirm), or with heartbeats off (an
+    # hour) through the WAL end of the server's keepalives, confirmed between transactions.
+    env = _env(settings, OUTBOX_WAL__HEARTBEAT_SECONDS=heartbeat)
     relay = RelayProcess(env, tmp_path, "idle")
     try:
+        assert await asyncio.to_thread(wait_until, lambda: slot_reader(settings) is not None, 30)
         with engine.begin() as conn:
-            conn.execute(text("CREATE TEMP TABLE busy AS SELECT generate_series(1, 1000) g"))
+            busy = "CREATE TEMP TABLE busy ON COMMIT DROP AS SELECT generate_series(1, 1000) g"
+            conn.execute(text(busy))
             now = str(conn.execute(text("SELECT pg_current_wal_lsn()::text")).scalar_one())
 
         def past_now() -> bool:
-            with engine.connect() as conn:
-                return bool(
-                    conn.execute(
-                        text(
-                            "SELECT confirmed_flush_lsn >= CAST(:now AS pg_lsn)"
-                            " FROM pg_replication_slots WHERE slot_name = :slot"
-                        ),
-                        {"now": now, "slot": settings.wal.slot},
-                    ).scalar_one()
-                )
+            lsn = confirmed_lsn(settings)
+            return lsn is not None and lsn_int(lsn) >= lsn_int(now)
 
-        moved = await asyncio.to_thread(_wait_for, past_now, 30)
+        moved = await asyncio.to_thread(wait_until, past_now, 60)
         assert moved, relay.log()[-3000:]
         assert relay.alive()
     finally:

@@ -1,9 +1,9 @@
 """The WAL source's streaming replication connection (relay/wal_stream.py) on real
 PostgreSQL and Kafka, the relay and the consumer as CLI subprocesses: the server ending
 the walsender under the relay loses nothing and the inbox applies each event once, in
-order; an idle slot follows the server's keepalives; a standby takes over a SIGKILLed
-reader's slot; the stream works over a TLS URL; what cannot stream (a role without
-REPLICATION, a pooler in front) stops the relay with exit 2 and one line."""
+order; a standby takes over a SIGKILLed reader's slot; the stream works over a TLS URL;
+what cannot stream (a role without REPLICATION, a pooler in front) stops the relay with
+exit 2 and one line. (The idle slot's keepalives: test_wal_source.py.)"""
 
 from __future__ import annotations
 
@@ -23,12 +23,17 @@ from sqlalchemy import Engine, text
 from sqlalchemy.engine import make_url
 
 from outbox.settings import OutboxSettings
-from relay.wal_store import lsn_int
 from tests.support.inbox import effect_rows, effects_table, subprocess_env
 from tests.support.pgbouncer import PgBouncer
-from tests.support.relay import RelayProcess, publish_numbered, read_ids, relay_env, verdict
+from tests.support.relay import RelayProcess, publish_numbered, read_ids, verdict
 from tests.support.services import Secured
-from tests.support.wal import confirmed_lsn, wal_env, wal_source
+from tests.support.wal import (
+    login_role,
+    slot_reader,
+    wait_until,
+    wal_relay_env,
+)
+from tests.support.wal import settings as settings  # the fixture
 
 pytestmark = pytest.mark.integration
 
@@ -36,37 +41,17 @@ ROOT = Path(__file__).resolve().parents[2]
 INBOX_APP = "tests.support.inbox_apps:app"
 
 
-@pytest.fixture
-def settings(isolated_settings: OutboxSettings) -> Iterator[OutboxSettings]:
-    with wal_source(isolated_settings) as own:
-        yield own
-
-
-def _env(settings: OutboxSettings, **extra: str) -> dict[str, str]:
-    return relay_env(settings, **wal_env(settings), **extra)
-
-
-def _wait_for(what: Callable[[], bool], timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while not what():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.1)
-    return True
-
-
-def _admin(settings: OutboxSettings) -> psycopg.Connection[tuple[object, ...]]:
-    return psycopg.connect(settings.libpq_dsn, autocommit=True)
-
-
-def _walsender(settings: OutboxSettings) -> int | None:
-    """The pid of the session streaming the slot, if any."""
-    with _admin(settings) as conn:
-        row = conn.execute(
-            "SELECT active_pid FROM pg_replication_slots WHERE slot_name = %s",
-            [settings.wal.slot],
-        ).fetchone()
-    return None if row is None or row[0] is None else int(str(row[0]))
+def _exit_line(relay: RelayProcess) -> str:
+    """The one error line of a relay that stopped with exit 2, no traceback."""
+    try:
+        code = relay.proc.wait(60)
+    finally:
+        relay.kill()
+    log = relay.log()
+    [line] = [x for x in log.splitlines() if x.startswith("error:")]
+    assert code == 2, log[-3000:]
+    assert "Traceback" not in log
+    return line
 
 
 def _consumer(env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
@@ -89,7 +74,7 @@ async def test_the_walsender_ended_mid_stream_loses_nothing_and_the_inbox_applie
 ) -> None:
     topic = await new_topic(partitions=6)
     table = effects_table(engine)
-    relay = RelayProcess(_env(settings, OUTBOX_RELAY__BATCH_SIZE="200"), tmp_path, "relay")
+    relay = RelayProcess(wal_relay_env(settings, OUTBOX_RELAY__BATCH_SIZE="200"), tmp_path, "relay")
     consumer_env = subprocess_env(
         settings,
         INBOX_TEST_CONSUMER=f"walstream-{uuid.uuid4().hex[:8]}",
@@ -123,10 +108,10 @@ async def test_the_walsender_ended_mid_stream_loses_nothing_and_the_inbox_applie
     try:
         while producer.is_alive():
             await asyncio.sleep(1.0)
-            pid = await asyncio.to_thread(_walsender, settings)
+            pid = await asyncio.to_thread(slot_reader, settings)
             if pid is None:
                 continue
-            with _admin(settings) as conn:
+            with psycopg.connect(settings.libpq_dsn, autocommit=True) as conn:
                 conn.execute("SELECT pg_terminate_backend(%s)", [pid])
             kills += 1
         producer.join()
@@ -137,7 +122,7 @@ async def test_the_walsender_ended_mid_stream_loses_nothing_and_the_inbox_applie
                 n = conn.execute(text(f"SELECT count(DISTINCT event_id) FROM {table}"))
                 return int(n.scalar_one()) >= len(ids)
 
-        done = await asyncio.to_thread(_wait_for, applied, 120)
+        done = await asyncio.to_thread(wait_until, applied, 120)
         assert done, (tmp_path / "consumer.log").read_text()[-3000:]
         assert relay.alive(), relay.log()[-3000:]
         code, _ = relay.terminate()
@@ -170,30 +155,6 @@ async def test_the_walsender_ended_mid_stream_loses_nothing_and_the_inbox_applie
     assert code == 0 and "Traceback" not in relay.log()
 
 
-async def test_an_idle_slot_follows_the_servers_keepalives_without_heartbeats(
-    engine: Engine, settings: OutboxSettings, tmp_path: Path
-) -> None:
-    # Heartbeats off (an hour): only the keepalives' WAL end, confirmed between
-    # transactions, moves the slot past other sessions' writes.
-    env = _env(settings, OUTBOX_WAL__HEARTBEAT_SECONDS="3600")
-    relay = RelayProcess(env, tmp_path, "idle")
-    try:
-        assert await asyncio.to_thread(_wait_for, lambda: _walsender(settings) is not None, 30)
-        with engine.begin() as conn:
-            conn.execute(text("CREATE TEMP TABLE busy AS SELECT generate_series(1, 1000) g"))
-            now = str(conn.execute(text("SELECT pg_current_wal_lsn()::text")).scalar_one())
-
-        def past_now() -> bool:
-            lsn = confirmed_lsn(settings)
-            return lsn is not None and lsn_int(lsn) >= lsn_int(now)
-
-        moved = await asyncio.to_thread(_wait_for, past_now, 60)
-        assert moved, relay.log()[-3000:]
-        assert relay.alive()
-    finally:
-        relay.kill()
-
-
 async def test_a_standby_streams_the_slot_once_the_reader_is_sigkilled(
     engine: Engine,
     settings: OutboxSettings,
@@ -201,18 +162,18 @@ async def test_a_standby_streams_the_slot_once_the_reader_is_sigkilled(
     tmp_path: Path,
 ) -> None:
     topic = await new_topic(partitions=2)
-    env = _env(settings, OUTBOX_RELAY__POLL_INTERVAL_SECONDS="0.2")
+    env = wal_relay_env(settings, OUTBOX_RELAY__POLL_INTERVAL_SECONDS="0.2")
     first = RelayProcess(env, tmp_path, "first")
-    assert await asyncio.to_thread(_wait_for, lambda: "reading the slot" in first.log(), 30)
+    assert await asyncio.to_thread(wait_until, lambda: "reading the slot" in first.log(), 30)
     second = RelayProcess(env, tmp_path, "second")
     try:
         before = publish_numbered(engine, settings, topic, 200, keys=10)
         await read_ids(settings.kafka_bootstrap_servers, topic, before)
-        reader = await asyncio.to_thread(_walsender, settings)
+        reader = await asyncio.to_thread(slot_reader, settings)
         first.kill()
         # The standby streams the slot: the slot's session is a new one.
         took = await asyncio.to_thread(
-            _wait_for, lambda: _walsender(settings) not in (None, reader), 30
+            wait_until, lambda: slot_reader(settings) not in (None, reader), 30
         )
         assert took, second.log()[-3000:]
         after = publish_numbered(engine, settings, topic, 200, keys=10, start=200)
@@ -239,11 +200,11 @@ async def test_the_stream_runs_over_a_tls_url(
     own = settings.model_copy(
         update={"database_url": SecretStr(url.render_as_string(hide_password=False))}
     )
-    relay = RelayProcess(_env(own), tmp_path, "tls")
+    relay = RelayProcess(wal_relay_env(own), tmp_path, "tls")
     try:
         ids = publish_numbered(engine, settings, topic, 100)
         records = await read_ids(settings.kafka_bootstrap_servers, topic, ids)
-        with _admin(settings) as conn:
+        with psycopg.connect(settings.libpq_dsn, autocommit=True) as conn:
             row = conn.execute(
                 "SELECT s.ssl FROM pg_stat_ssl s JOIN pg_replication_slots r"
                 " ON r.active_pid = s.pid WHERE r.slot_name = %s",
@@ -258,40 +219,17 @@ async def test_the_stream_runs_over_a_tls_url(
 
 @pytest.fixture
 def no_replication(settings: OutboxSettings) -> Iterator[OutboxSettings]:
-    """``settings`` logging in as a fresh role without REPLICATION."""
-    role = f"walrelay_{uuid.uuid4().hex[:8]}"
-    password = uuid.uuid4().hex
-    with _admin(settings) as conn:
-        conn.execute(
-            psycopg.sql.SQL("CREATE ROLE {} LOGIN PASSWORD {}").format(
-                psycopg.sql.Identifier(role), psycopg.sql.Literal(password)
-            )
-        )
-    url = make_url(settings.database_url.get_secret_value()).set(username=role, password=password)
-    try:
-        yield settings.model_copy(
-            update={"database_url": SecretStr(url.render_as_string(hide_password=False))}
-        )
-    finally:
-        with _admin(settings) as conn:
-            conn.execute(psycopg.sql.SQL("DROP ROLE {}").format(psycopg.sql.Identifier(role)))
+    with login_role(settings) as own:
+        yield own
 
 
 def test_a_role_without_replication_exits_2_with_the_sql_to_run(
     no_replication: OutboxSettings, tmp_path: Path
 ) -> None:
     role = make_url(no_replication.database_url.get_secret_value()).username
-    relay = RelayProcess(_env(no_replication), tmp_path, "norepl")
-    try:
-        code = relay.proc.wait(60)
-    finally:
-        relay.kill()
-    log = relay.log()
-    [line] = [x for x in log.splitlines() if x.startswith("error:")]
-    assert code == 2, log[-3000:]
+    line = _exit_line(RelayProcess(wal_relay_env(no_replication), tmp_path, "norepl"))
     assert "WalPrivilegeMissing" in line and "REPLICATION" in line
     assert f'ALTER ROLE "{role}" WITH REPLICATION;' in line
-    assert "Traceback" not in log
 
 
 def test_through_a_pooler_the_relay_exits_2_saying_it_needs_a_direct_connection(
@@ -299,13 +237,6 @@ def test_through_a_pooler_the_relay_exits_2_saying_it_needs_a_direct_connection(
 ) -> None:
     bouncer = pgbouncers("session", 2)
     url = bouncer.url(settings.database_url.get_secret_value())
-    relay = RelayProcess(_env(settings, OUTBOX_DATABASE_URL=url), tmp_path, "pooled")
-    try:
-        code = relay.proc.wait(60)
-    finally:
-        relay.kill()
-    log = relay.log()
-    [line] = [x for x in log.splitlines() if x.startswith("error:")]
-    assert code == 2, log[-3000:]
+    env = wal_relay_env(settings, OUTBOX_DATABASE_URL=url)
+    line = _exit_line(RelayProcess(env, tmp_path, "pooled"))
     assert "ReplicationRefused" in line and "directly" in line
-    assert "Traceback" not in log
