@@ -397,8 +397,10 @@ class WalSource:
                     # Nothing more buffered: free streams publish what they hold, and
                     # what is read so far gets a mark.
                     for stream in streams:
-                        if stream.rows and stream.free:
-                            await self._hand_over(stream, stopping, ws, streams, marks)
+                        if stream.free:
+                            await stream.settled()  # a batch that failed raises here
+                            if stream.rows:
+                                await self._hand_over(stream, stopping, ws, streams, marks)
                     if safe > marked:
                         marks.append(_Mark(safe, self._needs(streams), oldest))
                         marked, records, oldest = safe, 0, None
@@ -533,15 +535,19 @@ class WalSource:
         await stream.settled()
         rows, stream.rows, stream.bytes = stream.rows, [], 0
         stream.handed += 1
-        stream.sending = asyncio.ensure_future(self._settle_batch(stream, rows, stopping))
+        stream.sending = asyncio.ensure_future(
+            self._settle_batch(stream, stream.handed, rows, stopping)
+        )
         stream.sending.add_done_callback(_observed)
 
     async def _settle_batch(
-        self, stream: _Stream, rows: list[ClaimedRow], stopping: asyncio.Event
+        self, stream: _Stream, number: int, rows: list[ClaimedRow], stopping: asyncio.Event
     ) -> None:
+        """Settle the stream's batch ``number``; it counts as done only if every batch
+        before it is (one given up on stopping leaves the count there)."""
         try:
-            if await self._settle(rows, stopping):
-                stream.done += 1
+            if await self._settle(rows, stopping) and stream.done == number - 1:
+                stream.done = number
         finally:
             self._nudge()
 
