@@ -167,6 +167,7 @@ class WalSource:
         self._side: psycopg.AsyncConnection[tuple[Any, ...]] | None = None
         self._table_busy = False  # the outbox table held unpublished rows at the last look
         self._checked_role = False  # the role's REPLICATION attribute was looked at
+        self._slot_busy = False  # START_REPLICATION met another session on the slot
         self._failures = 0  # database failures in a row
         self._wake: asyncio.Future[None] | None = None  # the read loop's idle wait
         # Commit time (Unix) of the oldest transaction read but not confirmed yet, if any.
@@ -336,8 +337,16 @@ class WalSource:
                 s, s.wal.slot, s.wal.publication, lsn_text(self.confirmed or 0)
             )
         except psycopg.errors.ObjectInUse as exc:
-            log.debug("slot in use: %s", exc.diag.message_primary or exc)
+            # Another session streams it: the last reader's, on its way out (a standby
+            # that just took over), or something else; said once until streaming starts.
+            if not self._slot_busy:
+                self._slot_busy = True
+                log.info(
+                    "the slot is streamed by another session; waiting for it to end: %s",
+                    exc.diag.message_primary or exc,
+                )
             return False
+        self._slot_busy = False
         self._failures = 0
         self.database.ok()
         streams = [_Stream() for _ in range(self._streams)]
