@@ -328,9 +328,9 @@ async def test_a_50000_event_transaction_drains_with_bounded_relay_memory(
     new_topic: Callable[..., Awaitable[str]],
     tmp_path: Path,
 ) -> None:
-    # 50,000 events of ~4 KB (~200 MB) committed in ONE transaction: pgoutput hands the
-    # transaction over whole, so the relay reads it through its cursor a batch's worth of
-    # bytes at a time, and its streams hold at most two batches each.
+    # 50,000 events of ~4 KB (~200 MB) committed in ONE transaction: pgoutput sends the
+    # transaction whole at its commit; the relay's streams hold at most two batches each
+    # and the server waits for the relay meanwhile (the stream's flow control).
     topic = await new_topic(partitions=6)
     ob = Outbox(settings)
     pad = "p" * 4000
