@@ -72,9 +72,3 @@ class SlotLost(ConfigurationError):
             "(docs/howto/wal-source.md)"
         )
         self.since = since
-
-
-class ReplicationRefused(ConfigurationError):
-    """The database refused the WAL source's replication connection for good: a role
-    without REPLICATION, or a connection pooler that does not pass replication connections
-    (the WAL source needs a direct connection to PostgreSQL: ``relay.database_url``)."""

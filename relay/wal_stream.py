@@ -33,8 +33,8 @@ from typing import Any
 import psycopg
 from psycopg import pq
 
+from outbox.db import replication_connection
 from outbox.settings import OutboxSettings
-from relay.errors import ReplicationRefused
 
 _XLOG, _KEEPALIVE = ord("w"), ord("k")
 _XLOG_HEAD = 25  # 'w' + three int64
@@ -86,25 +86,8 @@ class WalStream:
         """Stream ``slot`` from ``lsn`` (its confirmed position: the server starts from
         the later of the two). Errors are psycopg's (SQLSTATE 55006: another session
         streams the slot; 42704: no such slot); a refused connection is
-        :class:`ReplicationRefused` when no retry can help."""
-        try:
-            conn = await psycopg.AsyncConnection.connect(
-                settings.libpq_dsn,
-                autocommit=True,
-                replication="database",
-                application_name="outbox-relay-wal-stream",
-            )
-        except psycopg.OperationalError as exc:
-            text = str(exc)
-            if "replication" in text or "WAL sender" in text or "walsender" in text:
-                raise ReplicationRefused(
-                    "the WAL source's replication connection was refused: "
-                    f"{text.strip().splitlines()[-1]}; the relay's role needs REPLICATION "
-                    "(`outbox wal setup --print-sql`) and relay.database_url must reach "
-                    "PostgreSQL directly (connection poolers do not pass replication "
-                    "connections)"
-                ) from None
-            raise
+        :class:`~outbox.errors.ReplicationRefused` when no retry can help."""
+        conn = await replication_connection(settings, "outbox-relay-wal-stream")
         stream = cls(conn)
         try:
             await stream._start(slot, publication, lsn)

@@ -8,6 +8,7 @@ exit 2 and one line. (The idle slot's keepalives: test_wal_source.py.)"""
 from __future__ import annotations
 
 import asyncio
+import json
 import subprocess
 import sys
 import threading
@@ -25,7 +26,7 @@ from sqlalchemy.engine import make_url
 from outbox.settings import OutboxSettings
 from tests.support.inbox import effect_rows, effects_table, subprocess_env
 from tests.support.pgbouncer import PgBouncer
-from tests.support.relay import RelayProcess, publish_numbered, read_ids, verdict
+from tests.support.relay import RelayProcess, outbox_cli, publish_numbered, read_ids, verdict
 from tests.support.services import Secured
 from tests.support.wal import (
     login_role,
@@ -240,3 +241,12 @@ def test_through_a_pooler_the_relay_exits_2_saying_it_needs_a_direct_connection(
     env = wal_relay_env(settings, OUTBOX_DATABASE_URL=url)
     line = _exit_line(RelayProcess(env, tmp_path, "pooled"))
     assert "ReplicationRefused" in line and "directly" in line
+    # `outbox doctor` says so before any relay starts.
+    doctor = outbox_cli("doctor", "--no-kafka", "--json", env=env)
+    found = {f["check"]: f for f in json.loads(doctor.stdout)}
+    assert doctor.returncode == 1, doctor.stderr
+    assert found["wal_stream"]["level"] == "error", found["wal_stream"]
+    assert "OUTBOX_RELAY__DATABASE_URL" in found["wal_stream"]["action"]
+    direct = outbox_cli("doctor", "--no-kafka", "--json", env=wal_relay_env(settings))
+    found = {f["check"]: f for f in json.loads(direct.stdout)}
+    assert found["wal_stream"]["level"] == "ok", found["wal_stream"]
