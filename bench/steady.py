@@ -209,6 +209,9 @@ def profile(pid: int, args: argparse.Namespace, out: Path) -> subprocess.Popen[b
     if not args.profile:
         return None
     spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+    if not Path(spy).exists():
+        print("  py-spy is not installed: the relay is not profiled", flush=True)
+        return None
     return subprocess.Popen(
         [spy, "record", "--nonblocking", "-r", "200", "-f", "raw", "-o", str(out), "-p",
          str(pid), "-d", str(int(args.seconds))],
