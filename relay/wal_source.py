@@ -51,6 +51,7 @@ from relay.metrics import RelayMetrics
 from relay.outcome import Outcome
 from relay.publisher import Publisher
 from relay.store import CE_ID, EVENT_TYPE, KEY, PAYLOAD, TOPIC, ClaimedRow, RelayStore
+from relay.table_gate import TableGate
 from relay.waiting import sleep_unless
 from relay.wal_store import WalStore, lsn_int, lsn_text
 
@@ -144,7 +145,8 @@ class WalSource:
         self._batch_bytes = max(1, r.max_inflight_bytes // (2 * self._streams))
         self._side: psycopg.AsyncConnection[tuple[Any, ...]] | None = None
         self._cut = False  # a publish given up on stopping: confirm nothing more
-        self._table_busy = False  # the outbox table held unpublished rows at the last read
+        # Switching between the sources: table rows older than a transaction go first.
+        self._gate = TableGate(self._store.table_oldest, self._side_conn)
         # Commit time (Unix) of the oldest transaction read but not confirmed yet, if any.
         self._oldest: float | None = None
 
@@ -312,6 +314,8 @@ class WalSource:
         events = since_checkpoint = 0
         checked_at = loop.time()
         ce_time = ""
+        begin: pgoutput.Begin | None = None  # of the transaction being read
+        gated = False  # its events may go before the table's unpublished rows
         safe: int | None = None  # the furthest transaction end read (settled once flushed)
         checkpoints: list[asyncio.Task[None]] = []
         self._cut = False
@@ -323,15 +327,23 @@ class WalSource:
                 started = loop.time()
                 records = await cur.fetchmany(FIRST_FETCH)
                 peeked = loop.time()
-                if records and await self._table_pending():
-                    records = []  # read again later (not waiting here: a held snapshot)
-                while records and not stopping.is_set():
+                held = False
+                while records and not held and not stopping.is_set():
                     for (data,) in records:
                         kind = data[0]
                         if kind == pgoutput.MESSAGE:
                             msg = pgoutput.message(data)
                             if msg.prefix != prefix or not msg.transactional:
                                 continue
+                            if not gated:
+                                # Older table rows first: this read ends before this
+                                # transaction (nothing of it is taken yet), the next
+                                # one starts from it. Heartbeats are not held.
+                                assert begin is not None  # transactional: after its Begin
+                                if not await self._gate.allows(begin.moment):
+                                    held = True
+                                    break
+                                gated = True
                             for event in self._events(msg):
                                 key = event.key
                                 stream = streams[hash(key) % len(streams) if key else 0]
@@ -345,6 +357,7 @@ class WalSource:
                                     await self._hand_over(stream, stopping)
                         elif kind == pgoutput.BEGIN:
                             begin = pgoutput.begin(data)
+                            gated = False
                             ce_time = begin.commit_time
                             if self._oldest is None:
                                 self._oldest = begin.committed_at
@@ -354,6 +367,8 @@ class WalSource:
                             if events > since_checkpoint and now - checked_at >= CHECKPOINT_SECONDS:
                                 checkpoints.append(await self._checkpoint(streams, safe, stopping))
                                 since_checkpoint, checked_at = events, now
+                    if held:
+                        break
                     # Fewer records per fetch when they are large: a fetch holds about one
                     # batch's worth of bytes at most (a message may carry up to 256 KiB).
                     size = sum(len(r[0]) for r in records)
@@ -515,22 +530,6 @@ class WalSource:
         if self._side is None or self._side.closed:
             self._side = await unprepared_connection(self._settings, "outbox-relay-wal-side")
         return self._side
-
-    async def _table_pending(self) -> bool:
-        """Switching from the table source: whether the outbox table holds unpublished rows,
-        which go before the events of a read. Asked once per read, after its first records
-        came: every event in it committed before the read began, so a row committed after
-        this check is newer than all of them."""
-        conn = await self._side_conn()
-        row = await (await conn.execute(self._store.table_pending)).fetchone()
-        pending = bool(row and row[0])
-        if pending != self._table_busy:
-            self._table_busy = pending
-            if pending:
-                log.info("the outbox table holds unpublished rows; they go first")
-            else:
-                log.info("the outbox table is drained; publishing from the slot")
-        return pending
 
     async def _move_to_failed(self, dead: list[tuple[ClaimedRow, int, str]]) -> None:
         conn = await self._side_conn()

@@ -62,6 +62,18 @@ def _metrics_when(port: int, wanted: Callable[[list[str]], bool], timeout: float
     assert _wait_for(shows, timeout), found
 
 
+def _settled_lsn(settings: OutboxSettings, quiet: float = 1.0, timeout: float = 30) -> str | None:
+    """The slot's confirmed LSN once it has not moved for ``quiet`` seconds."""
+    deadline = time.monotonic() + timeout
+    last, since = confirmed_lsn(settings), time.monotonic()
+    while time.monotonic() - since < quiet and time.monotonic() < deadline:
+        time.sleep(0.1)
+        now = confirmed_lsn(settings)
+        if now != last:
+            last, since = now, time.monotonic()
+    return last
+
+
 def _wait_for(what: Callable[[], bool], timeout: float) -> bool:
     deadline = time.monotonic() + timeout
     while not what():
@@ -294,10 +306,12 @@ async def test_a_slot_dropped_under_the_relay_stops_it_with_exit_2_and_one_line(
 ) -> None:
     topic = await new_topic()
     ids = publish_numbered(engine, settings, topic, 100)
-    relay = RelayProcess(_env(settings), tmp_path, "wal")
+    # No heartbeat during the test: the confirmed LSN moves only with the events.
+    relay = RelayProcess(_env(settings, OUTBOX_WAL__HEARTBEAT_SECONDS="3600"), tmp_path, "wal")
     try:
         await read_ids(settings.kafka_bootstrap_servers, topic, ids)
-        lsn = confirmed_lsn(settings)
+        # The slot is confirmed just after Kafka's acks: wait for it to stay put.
+        lsn = await asyncio.to_thread(_settled_lsn, settings)
         await asyncio.to_thread(drop_slot, settings, 30)
         code = await asyncio.to_thread(relay.proc.wait, 60)
     finally:
