@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
@@ -23,19 +23,14 @@ from tests.support.relay import (
     relay_env,
     verdict,
 )
-from tests.support.wal import wal_env, wal_source
+from tests.support.wal import wal_relay_env
 
 pytestmark = pytest.mark.integration
 
 
 @pytest.fixture
-def settings(isolated_settings: OutboxSettings) -> Iterator[OutboxSettings]:
-    with wal_source(isolated_settings) as own:
-        yield own
-
-
-def _env(settings: OutboxSettings, **extra: str) -> dict[str, str]:
-    return relay_env(settings, **{**wal_env(settings), **extra})
+def settings(wal_settings: OutboxSettings) -> OutboxSettings:
+    return wal_settings
 
 
 def _one_line(stderr: str) -> None:
@@ -54,7 +49,7 @@ async def test_switching_back_to_the_table_under_a_stream_keeps_every_key_in_ord
     # A WAL relay slowed down (small batches) still has a backlog in the slot when the
     # producers switch: a table relay started then would overtake it on every key.
     slow = {"OUTBOX_RELAY__BATCH_SIZE": "10", "OUTBOX_WAL__HEARTBEAT_SECONDS": "0.5"}
-    wal_relay = RelayProcess(_env(settings, **slow), tmp_path, "wal")
+    wal_relay = RelayProcess(wal_relay_env(settings, **slow), tmp_path, "wal")
     table_relay: RelayProcess | None = None
     try:
         wal_ids: list[str] = []
@@ -68,7 +63,13 @@ async def test_switching_back_to_the_table_under_a_stream_keeps_every_key_in_ord
                 publish_numbered(engine, table, topic, 100, keys=40, start=chunk * 100)
             )
         waited = await asyncio.to_thread(
-            outbox_cli, "wal", "wait-drained", "--timeout", "120", env=_env(settings), timeout=150
+            outbox_cli,
+            "wal",
+            "wait-drained",
+            "--timeout",
+            "120",
+            env=wal_relay_env(settings),
+            timeout=150,
         )
         assert waited.returncode == 0, waited.stderr
         assert "drained" in waited.stderr and "Traceback" not in waited.stderr
@@ -98,7 +99,7 @@ async def test_wait_drained_without_a_reader_gives_up_after_its_timeout(
     topic = await new_topic(partitions=1)
     publish_numbered(engine, settings, topic, 10)  # in the slot; no relay reads it
     waited = await asyncio.to_thread(
-        outbox_cli, "wal", "wait-drained", "--timeout", "1", env=_env(settings)
+        outbox_cli, "wal", "wait-drained", "--timeout", "1", env=wal_relay_env(settings)
     )
     assert waited.returncode == 1, waited.stderr
     assert "not drained after 1 s" in waited.stderr and "is a WAL relay reading it" in waited.stderr
@@ -106,7 +107,7 @@ async def test_wait_drained_without_a_reader_gives_up_after_its_timeout(
 
 
 def test_wait_drained_on_a_missing_slot_exits_2_with_one_line(settings: OutboxSettings) -> None:
-    env = _env(settings, OUTBOX_WAL__SLOT="outbox_no_such_slot")
+    env = wal_relay_env(settings, OUTBOX_WAL__SLOT="outbox_no_such_slot")
     waited = outbox_cli("wal", "wait-drained", "--timeout", "5", env=env)
     assert waited.returncode == 2, waited.stderr
     assert "replication slot 'outbox_no_such_slot' does not exist" in waited.stderr

@@ -72,3 +72,10 @@ def wal_env(settings: OutboxSettings) -> dict[str, str]:
         "OUTBOX_WAL__PUBLICATION": settings.wal.publication,
         "OUTBOX_WAL__PREFIX": settings.wal.prefix,
     }
+
+
+def wal_relay_env(settings: OutboxSettings, **extra: str) -> dict[str, str]:
+    """A WAL relay's (or the CLI's) environment for ``settings``; ``extra`` overrides."""
+    from tests.support.relay import relay_env
+
+    return relay_env(settings, **{**wal_env(settings), **extra})
