@@ -575,11 +575,24 @@ class PartitionProcessor:
                 blame.index = len(args)  # the event whose payload failed to parse
                 raise
         else:
-            kept = []
+            # The stale checks of the whole list in one statement (not one per event).
+            guarded: list[int] = []  # the events with a sequence and a key
+            items: list[tuple[bytes, int]] = []
             for k, event in enumerate(events):
                 blame.index = k
-                if await self._stale(event, raw or session):
+                sequence = event.sequence  # InvalidSequence: this event's failure
+                if sequence is not None and event.key is not None:
+                    guarded.append(k)
+                    items.append((event.key, sequence))
+            blame.index = None
+            current = await self.store.advance_sequences(raw or session, self.consumer, items)
+            stale = {k for k, ok in zip(guarded, current, strict=True) if not ok}
+            kept = []
+            for k, event in enumerate(events):
+                if k in stale:
+                    self._skipped_stale(event)
                     continue
+                blame.index = k
                 args.append(parse(event))
                 kept.append(event)
             blame.index = None
@@ -608,9 +621,14 @@ class PartitionProcessor:
             return False
         if await self.store.advance_sequence(db, self.consumer, event.key, sequence):
             return False
-        self.metrics.stale()
-        log.debug("stale event skipped", extra={"event_id": event.event_id, "sequence": sequence})
+        self._skipped_stale(event)
         return True
+
+    def _skipped_stale(self, event: InboxEvent) -> None:
+        self.metrics.stale()
+        log.debug(
+            "stale event skipped", extra={"event_id": event.event_id, "sequence": event.sequence}
+        )
 
     async def _fast(self, chunk: Sequence[InboxEvent], at_commit: AtCommit) -> int:
         """One transaction, no savepoints. Raises _Stop if anything failed (rolled back)."""
