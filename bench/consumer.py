@@ -613,14 +613,19 @@ async def main(args: argparse.Namespace) -> None:
         update={"database_url": type(base.database_url)(url.render_as_string(False))}
     )
     # Consumer settings of every part (the code under test's defaults unless given).
-    consumer = {"linger_ms": args.linger_ms} if args.linger_ms is not None else {}
+    consumer: dict[str, int] = {}
+    if args.linger_ms is not None:
+        consumer["linger_ms"] = args.linger_ms
+    if args.max_concurrent_partitions is not None:
+        consumer["max_concurrent_partitions"] = args.max_concurrent_partitions
     settings = settings.model_copy(update={"consumer": ConsumerSettings(**consumer)})
     results: dict[str, float] = {}
     cpu_per_event: dict[str, float] = {}
     try:
         print(
             f"consumer bench: {args.partitions} partitions, payload ~300 B, "
-            f"{_describe(settings.consumer)}; {load()}"
+            f"{_describe(settings.consumer)}, up to "
+            f"{settings.consumer.max_concurrent_partitions} transactions at once; {load()}"
         )
         runs = [
             ("batch", "orm", args.events),
@@ -716,6 +721,12 @@ if __name__ == "__main__":
         "--linger-ms",
         type=int,
         help="OUTBOX_CONSUMER__LINGER_MS for every part (default: the settings' default)",
+    )
+    parser.add_argument(
+        "--max-concurrent-partitions",
+        type=int,
+        help="OUTBOX_CONSUMER__MAX_CONCURRENT_PARTITIONS for every part (default: the "
+        "settings' default): how many transactions run at once",
     )
     parser.add_argument(
         "--parts",

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import functools
+import itertools
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -87,7 +88,8 @@ class Timeline:
         self.intervals: dict[str, list[Interval]] = collections.defaultdict(list)
         self.fetched: list[tuple[int, int]] = []  # (records, partitions) per getmany
         self.requested: list[int] = []  # partitions asked for per fetch request
-        self.queued: list[tuple[int, int, int]] = []  # (queued events, paused, busy) samples
+        # (when, queued events, paused partitions, busy lanes) samples
+        self.queued: list[tuple[float, int, int, int]] = []
         self._undo: list[Callable[[], None]] = []
         self.window: Interval | None = None
         Mark = tuple[float, tuple[float, float] | None, dict[int, tuple[str, int]]]
@@ -186,6 +188,7 @@ class Timeline:
             lanes = list(getattr(daemon, "_lanes", {}).values())
             self.queued.append(
                 (
+                    time.perf_counter(),
                     sum(len(lane.events) for lane in lanes),
                     sum(1 for lane in lanes if lane.paused),
                     sum(1 for lane in lanes if lane.busy),
@@ -230,15 +233,17 @@ class Timeline:
                 f"  fetch requests: {len(self.requested):,}, partitions asked for per request: "
                 f"mean {sum(self.requested) / len(self.requested):.1f}"
             )
-        if self.queued:
-            n = len(self.queued)
-            empty = sum(1 for q, _, _ in self.queued if q == 0)
+        if len(self.queued) > 1:
+            # Weighted by the time until the next sample: a busy event loop samples late.
+            spans = [(b[0] - a[0], a[1:]) for a, b in itertools.pairwise(self.queued)]
+            total = sum(w for w, _ in spans) or 1.0
+            dry = sum((w for w, (q, _, _) in spans if q == 0), 0.0)
             lines.append(
-                "  lanes (sampled every 5 ms): queued events mean "
-                f"{sum(q for q, _, _ in self.queued) / n:,.0f}, "
-                f"samples with none queued {100 * empty / n:.0f}%, "
-                f"paused partitions mean {sum(p for _, p, _ in self.queued) / n:.1f}, "
-                f"busy lanes mean {sum(b for _, _, b in self.queued) / n:.1f}"
+                "  lanes (sampled every 5 ms, time-weighted): events not finished mean "
+                f"{sum(w * q for w, (q, _, _) in spans) / total:,.0f}, "
+                f"none at all {100 * dry / total:.0f}% of the time, "
+                f"paused partitions mean {sum(w * p for w, (_, p, _) in spans) / total:.1f}, "
+                f"busy lanes mean {sum(w * b for w, (_, _, b) in spans) / total:.1f}"
             )
         if sched0 is not None and sched1 is not None:
             run, wait = sched1[0] - sched0[0], sched1[1] - sched0[1]
