@@ -73,7 +73,7 @@ it (sharing again would fail again, forever).
 Batch handlers (``@app.handler(..., batch=True)``): a transaction calls one with each run
 of consecutive new events it takes (:func:`_groups`: across the members, in offset order
 per partition, up to its ``max_batch``). A failed call cannot be pinned on one event unless
-the failure says which (a stale check or a payload that failed for one event, a
+the failure says which (an unreadable sequence or a payload that failed for one event, a
 ``Permanent``/``Retryable`` raised with ``event=``, a list of one): then that event is
 the failing handler above, first attempt counted. Otherwise the failure is like one at the
 final flush: the partition runs again with a savepoint per call (:meth:`_savepointed`),
@@ -562,8 +562,10 @@ class PartitionProcessor:
     ) -> None:
         """One call of a batch handler with the new ``events`` (their first attempt; the
         stale ones left out) in ``session``'s transaction. When it raises, ``blame`` says
-        which event failed if that is known: its stale check or its parsing failed, or
-        the handler named it (``Permanent(..., event=item)``)."""
+        which event failed if that is known: its sequence was unreadable or its parsing
+        failed, or the handler named it (``Permanent(..., event=item)``). The stale checks
+        of the list are one statement (:meth:`InboxStore.advance_sequences`), whose
+        failure no event is blamed for."""
         kept: Sequence[InboxEvent] = events
         args: list[object] = []
         parse = handler.parse
