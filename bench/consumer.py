@@ -76,6 +76,7 @@ import inbox
 from bench import tracing
 from bench.common import create_topic, delete_topics, drop_schema, payload_300b, scratch_settings
 from bench.cpuprofile import CpuProfile, Stage
+from bench.timeline import Timeline
 from inbox import ConsumerDaemon, Metrics
 from outbox import aio
 from outbox.daemon import kafka_environment, kafka_producer
@@ -85,6 +86,8 @@ from outbox.settings import ConsumerSettings, OutboxSettings
 TABLE = "bench_orders"
 # --profile DIR: where each part's CPU profile goes (None: not profiled).
 PROFILE_DIR: str | None = None
+# --timeline: print where each throughput run's wall time went (bench/timeline.py).
+TIMELINE = False
 # Latency runs send at the target rate for this long before measuring: the first events
 # after an idle period meet cold caches and a relay backed off to its longest poll interval.
 WARMUP_SECONDS = 1.0
@@ -339,20 +342,33 @@ async def drain(
     cpu0, first = 0.0, 0
     ticks0 = None
     profiled = Profiled(f"throughput-{settings.consumer.transaction_per}-{handler}")
-    while metrics.counts["processed"] < n:
-        if task.done():
-            await task
-        if started is None and metrics.counts["processed"] > 0:
-            started, cpu0, ticks0 = time.perf_counter(), cpu_seconds(), machine_ticks()
-            first = metrics.counts["processed"]
-            profiled.start()
-        await asyncio.sleep(0.005)
-    elapsed = time.perf_counter() - (started or time.perf_counter())
-    cpu = cpu_seconds() - cpu0
-    busy = machine_share(ticks0, machine_ticks())
-    profiled.stop()
-    stop.set()
-    await task
+    timeline = Timeline() if TIMELINE else None
+    if timeline is not None:
+        timeline.install()
+    try:
+        while metrics.counts["processed"] < n:
+            if task.done():
+                await task
+            if started is None and metrics.counts["processed"] > 0:
+                started, cpu0, ticks0 = time.perf_counter(), cpu_seconds(), machine_ticks()
+                first = metrics.counts["processed"]
+                profiled.start()
+                if timeline is not None:
+                    timeline.start(daemon)
+            await asyncio.sleep(0.005)
+        elapsed = time.perf_counter() - (started or time.perf_counter())
+        cpu = cpu_seconds() - cpu0
+        busy = machine_share(ticks0, machine_ticks())
+        if timeline is not None:
+            timeline.stop()
+        profiled.stop()
+        stop.set()
+        await task
+    finally:
+        if timeline is not None:
+            timeline.uninstall()
+    if timeline is not None:
+        print(timeline.report(n - first))
     per_txn = events_per_transaction(settings, app.name)
     profiled.report(n - first, per_txn)
     return elapsed, n - first, cpu, per_txn, busy
@@ -597,14 +613,19 @@ async def main(args: argparse.Namespace) -> None:
         update={"database_url": type(base.database_url)(url.render_as_string(False))}
     )
     # Consumer settings of every part (the code under test's defaults unless given).
-    consumer = {"linger_ms": args.linger_ms} if args.linger_ms is not None else {}
+    consumer: dict[str, int] = {}
+    if args.linger_ms is not None:
+        consumer["linger_ms"] = args.linger_ms
+    if args.max_concurrent_partitions is not None:
+        consumer["max_concurrent_partitions"] = args.max_concurrent_partitions
     settings = settings.model_copy(update={"consumer": ConsumerSettings(**consumer)})
     results: dict[str, float] = {}
     cpu_per_event: dict[str, float] = {}
     try:
         print(
             f"consumer bench: {args.partitions} partitions, payload ~300 B, "
-            f"{_describe(settings.consumer)}; {load()}"
+            f"{_describe(settings.consumer)}, up to "
+            f"{settings.consumer.max_concurrent_partitions} transactions at once; {load()}"
         )
         runs = [
             ("batch", "orm", args.events),
@@ -613,6 +634,9 @@ async def main(args: argparse.Namespace) -> None:
         ]
         if args.batch_events:
             runs.insert(1, ("batch", "batch", args.batch_events))
+        names = {("batch", "orm"): "orm", ("batch", "batch"): "batch"}
+        names |= {("batch", "execute"): "execute", ("event", "orm"): "event"}
+        runs = [r for r in runs if names[r[:2]] in args.runs]
         for mode, handler, n in runs if "throughput" in args.parts else []:
             s = settings.model_copy(
                 update={"consumer": settings.consumer.model_copy(update={"transaction_per": mode})}
@@ -635,12 +659,12 @@ async def main(args: argparse.Namespace) -> None:
                     f"{busy * cpus * elapsed / counted * 1e6:.0f} us CPU per event (all "
                     "processes)"
                 )
-        if results:
+        if "batch/orm" in results and "event/orm" in results:
             print(
                 "batch / per-event ratio (orm handler): "
                 f"{results['batch/orm'] / results['event/orm']:.1f}x"
             )
-        if "batch/batch" in results:
+        if "batch/batch" in results and "batch/orm" in results:
             print(
                 "batch handler / per-event orm handler (both one transaction per batch): "
                 f"{results['batch/batch'] / results['batch/orm']:.1f}x events/s, "
@@ -699,6 +723,12 @@ if __name__ == "__main__":
         help="OUTBOX_CONSUMER__LINGER_MS for every part (default: the settings' default)",
     )
     parser.add_argument(
+        "--max-concurrent-partitions",
+        type=int,
+        help="OUTBOX_CONSUMER__MAX_CONCURRENT_PARTITIONS for every part (default: the "
+        "settings' default): how many transactions run at once",
+    )
+    parser.add_argument(
         "--parts",
         type=lambda v: set(v.split(",")),
         default={"throughput", "latency", "e2e"},
@@ -710,6 +740,20 @@ if __name__ == "__main__":
         help="write a CPU-time profile of each measured window to DIR/<part>.prof and print "
         "its top entries (the profiler slows the consumer: take figures from runs without it)",
     )
+    parser.add_argument(
+        "--runs",
+        type=lambda v: set(v.split(",")),
+        default={"orm", "batch", "execute", "event"},
+        help="throughput runs, a comma-separated subset of orm,batch,execute,event (default: "
+        "all; orm and batch are the batch handler's comparison)",
+    )
+    parser.add_argument(
+        "--timeline",
+        action="store_true",
+        help="print where each throughput run's wall time went: fetches, transactions in "
+        "flight, round trips, the lanes' queues, every process's CPU (bench/timeline.py)",
+    )
     args = parser.parse_args()
     PROFILE_DIR = args.profile
+    TIMELINE = args.timeline
     aio.run(main(args))

@@ -14,7 +14,8 @@ application does) commits ``--rate`` events/s over ``--keys`` keys: one transact
 ``--tick-ms`` carrying what is due (batched), or one event per transaction (``--single``,
 spread over ``--producers`` processes: one client commits ~2,500 one-row transactions/s
 here). ``outbox relay`` runs as a process; with ``--consumer`` so does ``outbox consume
-bench.steady_app:app``, whose handler notes ``clock_timestamp()`` per event.
+bench.steady_app:app``, whose handler notes ``clock_timestamp()`` per event (``--handler
+batch``: ``bench.steady_app:batch_app``, a batch handler noting a list in one INSERT).
 
 Printed per run, over the last ``--window`` seconds (the start is warm-up):
 
@@ -70,6 +71,8 @@ from outbox.db import sync_engine
 from outbox.envelope import Message
 from outbox.settings import OutboxSettings
 
+# --handler -> the app in bench/steady_app.py the consumer runs.
+APPS = {"event": "app", "batch": "batch_app"}
 PAD = 250  # JSON payload of ~300 bytes
 _TICK = os.sysconf("SC_CLK_TCK")
 
@@ -210,6 +213,9 @@ def profile(pid: int, args: argparse.Namespace, out: Path) -> subprocess.Popen[b
     if not args.profile:
         return None
     spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+    if not Path(spy).exists():
+        print("  py-spy is not installed: the relay is not profiled", flush=True)
+        return None
     return subprocess.Popen(
         [spy, "record", "--nonblocking", "-r", "200", "-f", "raw", "-o", str(out), "-p",
          str(pid), "-d", str(int(args.seconds))],
@@ -354,7 +360,13 @@ def one_run(
                 script = Path(__file__).with_name("steady_profile.py")
                 command = [sys.executable, str(script), str(logs / f"consumer-{tag}.pickle")]
             consumer = subprocess.Popen(
-                [*command, "--log-level", "WARNING", "consume", "bench.steady_app:app"],
+                [
+                    *command,
+                    "--log-level",
+                    "WARNING",
+                    "consume",
+                    f"bench.steady_app:{APPS[args.handler]}",
+                ],
                 env={
                     **env,
                     # OUTBOX_CONSUMER__* from the caller's environment (tuning experiments).
@@ -425,6 +437,12 @@ def main() -> None:
     ap.add_argument("--keys", type=int, default=500)
     ap.add_argument("--partitions", type=int, default=6)
     ap.add_argument("--consumer", action="store_true", help="end to end through outbox consume")
+    ap.add_argument(
+        "--handler",
+        choices=sorted(APPS),
+        default="event",
+        help="the consumer's handler: one INSERT per event, or a batch handler's one per list",
+    )
     ap.add_argument("--busy", type=int, default=0, help="CPU-bound processes beside them")
     ap.add_argument("--idle", type=float, default=0, help="first measure the idle relay")
     ap.add_argument(

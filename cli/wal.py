@@ -6,10 +6,13 @@ from logging import WARNING
 
 import typer
 
-from cli.context import notice, out, reported_errors, settings_of
+from cli.context import error, notice, out, reported_errors, settings_of
 from outbox.errors import WalSetupError
-from outbox.ops import wal_slot
+from outbox.ops import wal_drain, wal_slot
 from outbox.settings import OutboxSettings
+
+# wait-drained: how often it says how far the slot still is.
+PROGRESS_SECONDS = 5.0
 
 app = typer.Typer(
     help="The WAL source (OUTBOX_SOURCE=wal): its publication and replication slot.",
@@ -67,3 +70,48 @@ def set_up(settings: OutboxSettings) -> None:
             style="yellow",
             level=WARNING,
         )
+
+
+@app.command("wait-drained")
+def wait_drained(
+    ctx: typer.Context,
+    timeout: float = typer.Option(
+        600.0, "--timeout", min=0, help="Give up (exit 1) after this many seconds."
+    ),
+) -> None:
+    """Wait until every event written to the WAL before now is in Kafka: the slot's
+    confirmed position has passed the WAL position when the command started.
+
+    Switching back to the table: run it once every producer writes to the table
+    (OUTBOX_SOURCE=table) while a WAL relay still reads the slot; when it exits 0, start
+    the table relays and stop the WAL relays. Progress goes to stderr every few seconds.
+    """
+    settings = settings_of(ctx)
+    slot = settings.wal.slot
+    shown = [-PROGRESS_SECONDS]
+
+    def progress(state: wal_drain.DrainState) -> None:
+        if state.drained or state.waited_seconds - shown[0] < PROGRESS_SECONDS:
+            return
+        shown[0] = state.waited_seconds
+        notice(
+            f"slot {slot}: {state.behind_bytes:,} bytes of WAL before {state.target} not "
+            f"confirmed yet (confirmed {state.confirmed or 'nothing'}; "
+            f"{state.waited_seconds:.0f} s)",
+            behind_bytes=state.behind_bytes,
+        )
+
+    with reported_errors():
+        state = wal_drain.wait_drained(settings, timeout, progress)
+    if not state.drained:
+        error(
+            f"slot {slot} not drained after {timeout:.0f} s ({state.behind_bytes:,} bytes "
+            f"before {state.target} not confirmed): is a WAL relay reading it? `outbox lag` "
+            "and `outbox doctor` show the slot"
+        )
+        raise typer.Exit(1)
+    notice(
+        f"slot {slot} drained: every event written to the WAL before {state.target} is "
+        f"published (confirmed {state.confirmed}); the table relays may start",
+        style="green",
+    )

@@ -111,8 +111,12 @@ class Lane:
         return self.events[start : start + limit]
 
     async def progress(self, offset: int) -> None:
+        """Records before ``offset`` committed in the database (after each transaction):
+        drop them now, not when the run of several transactions ends, so that a paused
+        partition is fetched again while the rest of its backlog is handled."""
         self.position = offset
         self.host.finished(self.tp, offset)
+        self._trim()
 
     def settle(self) -> None:
         """Whoever held the lane let go: drop what is finished, and offer the rest (a
@@ -213,14 +217,20 @@ class Lane:
             await self.idle.wait()
 
     def _trim(self) -> None:
-        """Drop what is finished; the rest (a stop or an error) is tried again."""
+        """Drop what is finished; the rest (a stop or an error) is tried again.
+
+        A paused partition resumes at half the pause mark (2 x max_batch_records records
+        left, half of max_fetched_bytes): two transactions' worth are still queued while
+        the next fetch is under way, so the lane does not run dry waiting for it (a
+        backlog is then fetched and handled at once, not in turns)."""
         done = bisect.bisect_left(self.events, self.position, key=_offset)
-        self.fetched_bytes -= _payload_bytes(self.events[:done])
-        del self.events[:done]
+        if done:
+            self.fetched_bytes -= _payload_bytes(self.events[:done])
+            del self.events[:done]
         config = self.host.config
         if (
             self.paused
-            and len(self.events) < config.max_batch_records
+            and len(self.events) <= config.max_batch_records * 2
             and self.fetched_bytes < config.max_fetched_bytes // 2
         ):
             self.paused = False

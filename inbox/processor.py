@@ -73,7 +73,7 @@ it (sharing again would fail again, forever).
 Batch handlers (``@app.handler(..., batch=True)``): a transaction calls one with each run
 of consecutive new events it takes (:func:`_groups`: across the members, in offset order
 per partition, up to its ``max_batch``). A failed call cannot be pinned on one event unless
-the failure says which (a stale check or a payload that failed for one event, a
+the failure says which (an unreadable sequence or a payload that failed for one event, a
 ``Permanent``/``Retryable`` raised with ``event=``, a list of one): then that event is
 the failing handler above, first attempt counted. Otherwise the failure is like one at the
 final flush: the partition runs again with a savepoint per call (:meth:`_savepointed`),
@@ -562,8 +562,10 @@ class PartitionProcessor:
     ) -> None:
         """One call of a batch handler with the new ``events`` (their first attempt; the
         stale ones left out) in ``session``'s transaction. When it raises, ``blame`` says
-        which event failed if that is known: its stale check or its parsing failed, or
-        the handler named it (``Permanent(..., event=item)``)."""
+        which event failed if that is known: its sequence was unreadable or its parsing
+        failed, or the handler named it (``Permanent(..., event=item)``). The stale checks
+        of the list are one statement (:meth:`InboxStore.advance_sequences`), whose
+        failure no event is blamed for."""
         kept: Sequence[InboxEvent] = events
         args: list[object] = []
         parse = handler.parse
@@ -575,11 +577,24 @@ class PartitionProcessor:
                 blame.index = len(args)  # the event whose payload failed to parse
                 raise
         else:
-            kept = []
+            # The stale checks of the whole list in one statement (not one per event).
+            guarded: list[int] = []  # the events with a sequence and a key
+            items: list[tuple[bytes, int]] = []
             for k, event in enumerate(events):
                 blame.index = k
-                if await self._stale(event, raw or session):
+                sequence = event.sequence  # InvalidSequence: this event's failure
+                if sequence is not None and event.key is not None:
+                    guarded.append(k)
+                    items.append((event.key, sequence))
+            blame.index = None
+            current = await self.store.advance_sequences(raw or session, self.consumer, items)
+            stale = {k for k, ok in zip(guarded, current, strict=True) if not ok}
+            kept = []
+            for k, event in enumerate(events):
+                if k in stale:
+                    self._skipped_stale(event)
                     continue
+                blame.index = k
                 args.append(parse(event))
                 kept.append(event)
             blame.index = None
@@ -608,9 +623,14 @@ class PartitionProcessor:
             return False
         if await self.store.advance_sequence(db, self.consumer, event.key, sequence):
             return False
-        self.metrics.stale()
-        log.debug("stale event skipped", extra={"event_id": event.event_id, "sequence": sequence})
+        self._skipped_stale(event)
         return True
+
+    def _skipped_stale(self, event: InboxEvent) -> None:
+        self.metrics.stale()
+        log.debug(
+            "stale event skipped", extra={"event_id": event.event_id, "sequence": event.sequence}
+        )
 
     async def _fast(self, chunk: Sequence[InboxEvent], at_commit: AtCommit) -> int:
         """One transaction, no savepoints. Raises _Stop if anything failed (rolled back)."""

@@ -87,6 +87,7 @@ class _Statements:
     finish_marker: bytes
     disarm_marker: bytes
     advance_sequence: bytes
+    advance_sequences: bytes
 
     @classmethod
     def of(cls, tables: Tables) -> _Statements:
@@ -153,6 +154,25 @@ class _Statements:
                 "VALUES (%(consumer)s, %(key)s, %(sequence)s) "
                 "ON CONFLICT (consumer, key) DO UPDATE SET sequence = excluded.sequence, "
                 "updated_at = now() WHERE s.sequence < excluded.sequence RETURNING s.sequence"
+            ).format(sequences=sequences),
+            # A batch handler's list in one statement (see InboxStore.advance_sequences):
+            # each key's highest sequence before it (as of the statement's snapshot), and
+            # whether the upsert of the list's highest one changed the row (inserted it, or
+            # advanced it from exactly the version that snapshot saw: the xmin check).
+            "advance_sequences": sql.SQL(
+                "WITH ev AS (SELECT k, q FROM unnest(%(keys)s::bytea[], %(sequences)s::bigint[]) "
+                "AS t(k, q)), "
+                "snap AS (SELECT key, sequence, xmin FROM {sequences} "
+                "WHERE consumer = %(consumer)s AND key IN (SELECT k FROM ev)), "
+                "up AS (INSERT INTO {sequences} AS s (consumer, key, sequence) "
+                "SELECT %(consumer)s, k, max(q) FROM ev GROUP BY k "
+                "ON CONFLICT (consumer, key) DO UPDATE SET sequence = excluded.sequence, "
+                "updated_at = now() WHERE s.sequence < excluded.sequence "
+                "AND s.xmin = (SELECT snap.xmin FROM snap WHERE snap.key = excluded.key) "
+                "RETURNING s.key) "
+                "SELECT d.k, snap.sequence, up.key IS NOT NULL "
+                "FROM (SELECT DISTINCT k FROM ev) AS d "
+                "LEFT JOIN snap ON snap.key = d.k LEFT JOIN up ON up.key = d.k"
             ).format(sequences=sequences),
         }
         return cls(**{name: stmt.as_string(None).encode() for name, stmt in statements.items()})
@@ -306,6 +326,54 @@ class InboxStore:
         params = {"consumer": consumer, "key": key, "sequence": sequence}
         cur = await (await _driver(db)).execute(self._sql.advance_sequence, params)
         return await cur.fetchone() is not None
+
+    async def advance_sequences(
+        self, db: Db, consumer: str, items: Sequence[tuple[bytes, int]]
+    ) -> list[bool]:
+        """:meth:`advance_sequence` for a list of (key, sequence), in order, in one
+        statement: for each item whether it is current (above the highest applied for its
+        key, earlier items of the list included); every key ends at its highest sequence.
+
+        The statement upserts each key's highest sequence of the list (locking the row,
+        as :meth:`advance_sequence` does) and returns the highest applied before it, read
+        from the statement's snapshot; the items are then judged here. That read is only
+        trusted when the upsert changed exactly the row version it read (or inserted the
+        row): when another transaction moved a key in between (a replay racing the live
+        stream), the upsert leaves that row alone, locked, and its items are judged one
+        statement each against the committed value, as :meth:`advance_sequence` does.
+        """
+        if not items:
+            return []
+        driver = await _driver(db)
+        params = {
+            "consumer": consumer,
+            "keys": [key for key, _ in items],
+            "sequences": [sequence for _, sequence in items],
+        }
+        cur = await driver.execute(self._sql.advance_sequences, params)
+        top: dict[bytes, int] = {}
+        for key, sequence in items:
+            if sequence > top.get(key, -1):
+                top[key] = sequence
+        # The highest sequence applied for each key before the list (-1: none; sequences
+        # are non-negative); a key missing here was moved by another transaction.
+        applied: dict[bytes, int] = {}
+        for key, before, changed in await cur.fetchall():
+            key = bytes(key)
+            if before is not None and before >= top[key]:
+                applied[key] = before  # nothing of the list is current for this key
+            elif changed:
+                applied[key] = -1 if before is None else before
+        current: list[bool] = []
+        for key, sequence in items:
+            if key not in applied:
+                current.append(await self.advance_sequence(driver, consumer, key, sequence))
+            elif sequence > applied[key]:
+                applied[key] = sequence
+                current.append(True)
+            else:
+                current.append(False)
+        return current
 
     # ---------------------------------------------------------------- dead letters
 

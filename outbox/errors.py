@@ -173,6 +173,11 @@ class WalSlotMismatch(WalSetupError):
     server-wide)."""
 
 
+class WalSlotUnavailable(WalSetupError):
+    """The replication slot is missing or invalidated (``wal_status`` lost), where a
+    command needs it: nothing can be waited for or read from it."""
+
+
 class WalRecordInvalid(ConfigurationError):
     """pgoutput sent a record the WAL source cannot parse (not protocol version 1?)."""
 

@@ -63,6 +63,7 @@ from relay.metrics import RelayMetrics
 from relay.outcome import Outcome
 from relay.publisher import Publisher
 from relay.store import CE_ID, EVENT_TYPE, KEY, PAYLOAD, TOPIC, ClaimedRow, RelayStore
+from relay.table_gate import TableGate
 from relay.waiting import sleep_unless
 from relay.wal_store import WalStore, lsn_int, lsn_text
 from relay.wal_stream import WalStream
@@ -165,11 +166,12 @@ class WalSource:
         # Two batches per stream may be around at once (one filling, one in flight).
         self._batch_bytes = max(1, r.max_inflight_bytes // (2 * self._streams))
         self._side: psycopg.AsyncConnection[tuple[Any, ...]] | None = None
-        self._table_busy = False  # the outbox table held unpublished rows at the last look
         self._checked_role = False  # the role's REPLICATION attribute was looked at
         self._slot_busy = False  # START_REPLICATION met another session on the slot
         self._failures = 0  # database failures in a row
         self._wake: asyncio.Future[None] | None = None  # the read loop's idle wait
+        # Switching between the sources: table rows older than a transaction go first.
+        self._gate = TableGate(self._store.table_oldest, self._side_conn)
         # Commit time (Unix) of the oldest transaction read but not confirmed yet, if any.
         self._oldest: float | None = None
 
@@ -396,7 +398,8 @@ class WalSource:
         records = 0  # since the last mark
         oldest: float | None = None  # first transaction since the last mark
         marked_at = loop.time()
-        covered = -1  # transactions ending up to here came after the table's last look
+        begin: pgoutput.Begin | None = None  # of the transaction being read
+        gated = False  # its events may go before the table's unpublished rows
         stop_wait = asyncio.ensure_future(stopping.wait())
         stop_wait.add_done_callback(lambda _: self._nudge())
         try:
@@ -430,6 +433,13 @@ class WalSource:
                     msg = pgoutput.message(item)
                     if msg.prefix != prefix or not msg.transactional:
                         continue
+                    if not gated:
+                        # Older table rows first (relay/table_gate.py); nothing of this
+                        # transaction is taken yet. Heartbeats are not held.
+                        assert begin is not None  # transactional: after its Begin
+                        if not await self._gate.allows(begin.moment):
+                            raise _TableFirst
+                        gated = True
                     try:
                         for (
                             event_id,
@@ -470,11 +480,7 @@ class WalSource:
                         raise _unreadable(exc, msg.lsn) from None
                 elif kind == begin_kind:
                     begin = pgoutput.begin(item)
-                    in_txn = True
-                    if begin.final_lsn > covered:
-                        covered = await self._table_pending()
-                        if covered < 0:
-                            raise _TableFirst
+                    in_txn, gated = True, False
                     ce_time = begin.commit_time
                     if oldest is None:
                         oldest = begin.committed_at
@@ -636,29 +642,6 @@ class WalSource:
         if self._side is None or self._side.closed:
             self._side = await unprepared_connection(self._settings, "outbox-relay-wal-side")
         return self._side
-
-    async def _table_pending(self) -> int:
-        """Switching from the table source: whether the outbox table holds unpublished rows,
-        which go before the events of any transaction that ended after them. -1 when it
-        does; else the WAL position it was empty at: a transaction ending up to there
-        ended before this look, so any row older than it was seen (a row committed
-        later is newer). The position is read first, the table in a later snapshot."""
-        conn = await self._side_conn()
-        # One round trip; each statement still takes its own snapshot (read committed).
-        async with conn.pipeline():
-            at = await conn.execute(self._store.insert_lsn)
-            look = await conn.execute(self._store.table_pending)
-        row = await at.fetchone()
-        covered = lsn_int(str(row[0])) if row else 0
-        row = await look.fetchone()
-        pending = bool(row and row[0])
-        if pending != self._table_busy:
-            self._table_busy = pending
-            if pending:
-                log.info("the outbox table holds unpublished rows; they go first")
-            else:
-                log.info("the outbox table is drained; publishing from the slot")
-        return -1 if pending else covered
 
     async def _move_to_failed(self, dead: list[tuple[ClaimedRow, int, str]]) -> None:
         conn = await self._side_conn()

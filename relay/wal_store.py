@@ -50,20 +50,19 @@ class WalStore:
         "SELECT rolsuper OR rolreplication, rolname FROM pg_roles WHERE rolname = current_user"
     )
 
-    # Where the WAL ends now (read before a look at the outbox table: see table_pending).
-    insert_lsn = "SELECT pg_current_wal_insert_lsn()::text"
-
     # Params: prefix. A transactional message in a transaction of its own: its commit is a
     # position the relay may confirm, so an idle slot keeps moving (a non-transactional one
     # has no commit and would not).
     heartbeat = "SELECT pg_logical_emit_message(true, %(prefix)s, ''::bytea)"
 
     @cached_property
-    def table_pending(self) -> sql.Composed:
-        """Whether the outbox table holds unpublished rows (switching from the table source:
-        they are older than anything in the slot that follows them and go first)."""
+    def table_oldest(self) -> sql.Composed:
+        """When the oldest unpublished row of the outbox table was created (NULL: none), and
+        when this was asked (relay/table_gate.py: switching between the sources)."""
         events = sql.Identifier(self.settings.db_schema, f"{self.settings.table_prefix}events")
-        return sql.SQL("SELECT EXISTS (SELECT 1 FROM {} WHERE published_at IS NULL)").format(events)
+        return sql.SQL(
+            "SELECT min(created_at), statement_timestamp() FROM {} WHERE published_at IS NULL"
+        ).format(events)
 
     @cached_property
     def new_ids(self) -> sql.Composed:

@@ -216,6 +216,20 @@ WAL_PROBE_DROP = text(
 )
 WAL_CLOCK = text("SELECT clock_timestamp()")
 
+# Switching back to the table (outbox/ops/wal_drain.py): the WAL position now, then how far
+# the slot's confirmed position is from it (NULL row: no such slot).
+WAL_NOW = text("SELECT pg_current_wal_lsn()::text")
+WAL_DRAIN = text(
+    """
+    SELECT s.confirmed_flush_lsn::text AS confirmed,
+           s.wal_status,
+           COALESCE(s.confirmed_flush_lsn >= CAST(:target AS pg_lsn), false) AS drained,
+           GREATEST(pg_wal_lsn_diff(CAST(:target AS pg_lsn), s.confirmed_flush_lsn), 0)::bigint
+             AS behind_bytes
+    FROM pg_replication_slots s WHERE s.slot_name = :slot
+    """
+)
+
 
 @dataclass(frozen=True)
 class OpsStore:

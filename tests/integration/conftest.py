@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 
 import pytest
 
 from outbox.settings import OutboxSettings
 from relay import Relay
+from tests.support.wal import wal_source
 
 
 @pytest.fixture
@@ -26,3 +27,10 @@ async def running() -> AsyncIterator[Callable[[OutboxSettings], Awaitable[Relay]
         relay.stop()
     for _, task in started:
         await asyncio.wait_for(task, 15)
+
+
+@pytest.fixture
+def wal_settings(isolated_settings: OutboxSettings) -> Iterator[OutboxSettings]:
+    """Isolated settings in WAL mode, with a slot and publication of their own."""
+    with wal_source(isolated_settings) as own:
+        yield own

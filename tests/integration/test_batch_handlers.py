@@ -17,6 +17,7 @@ from sqlalchemy.orm import Session
 
 import inbox
 from inbox import EventContext, InboxEvent, Permanent
+from inbox.store import PROCESSED
 from inbox.testing import InboxHarness
 from outbox.settings import OutboxSettings
 
@@ -231,3 +232,40 @@ async def test_a_single_delivery_reaches_a_batch_handler_as_a_list_of_one(
     assert delivery.outcome == "handled" and poisoned.outcome == "dead_lettered"
     assert calls == [[7], [8], [8], [8]]
     assert poisoned.dead_letter is not None and poisoned.dead_letter.attempts == 3
+
+
+# PostgreSQL itself raises SQLSTATE 40001, as a conflict of a SERIALIZABLE handler would:
+# the real error through the real driver, at the moment the test chooses.
+_CONFLICT = "DO $$ BEGIN RAISE EXCEPTION USING ERRCODE = 'serialization_failure'; END $$"
+
+
+async def test_a_serialization_conflict_inside_a_list_reruns_it_and_charges_no_attempt(
+    settings: OutboxSettings, engine: Engine, table: str
+) -> None:
+    calls: list[list[int]] = []
+    conflicted: set[int] = set()  # indices in calls
+    conflicts = 3  # three in a row: each time the list runs again, first event alone
+    app = inbox.Consumer(name=f"batch-{uuid.uuid4().hex[:8]}", topics=["items"])
+
+    # One attempt only: a conflict charged as an attempt would dead-letter the event.
+    @app.handler("item", batch=True, max_attempts=1)
+    async def project(items: list[Item], session: AsyncSession) -> None:
+        nonlocal conflicts
+        calls.append([i.n for i in items])
+        await session.execute(text(_insert(table)), {"ns": [i.n for i in items]})
+        if conflicts and any(i.n == 120 for i in items):
+            conflicts -= 1
+            conflicted.add(len(calls) - 1)
+            await session.execute(text(_CONFLICT))
+
+    async with InboxHarness(app, settings) as harness:
+        batch = events(harness, 200)
+        result = await harness.deliver_batch(batch)
+        statuses = {await harness.status(e) for e in batch}
+    assert conflicts == 0
+    # The calls that did not conflict took every item once, in offset order.
+    assert [n for k, c in enumerate(calls) if k not in conflicted for n in c] == list(range(200))
+    # Every item applied once (the conflicting calls' rows rolled back), none dead-lettered.
+    assert sorted(n for n, _ in rows(engine, table)) == list(range(200))
+    assert (result.handled, result.dead_letters, result.counts["dead_lettered"]) == (200, (), 0)
+    assert statuses == {PROCESSED}

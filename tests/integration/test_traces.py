@@ -18,6 +18,7 @@ from sqlalchemy import Engine, select
 
 from outbox.settings import OutboxSettings
 from outbox.tables import build_tables
+from outbox.tracing import BATCH_COUNT, MESSAGE_ID
 from tests.support.inbox import wait_for
 from tests.support.wrapped import Wrapped
 
@@ -152,6 +153,58 @@ async def test_one_trace_links_producer_relay_and_consumer_with_retry_and_dead_l
     shipped = [s for s in spans if s["attributes"].get("messaging.message.id") == shipped_id]
     [follow_up] = follow_up_links()
     assert follow_up["context"]["span_id"] == shipped[-1]["context"]["span_id"]
+
+
+async def test_a_batch_handlers_call_links_every_events_trace_through_the_daemons(
+    settings: OutboxSettings, new_topic: Callable[..., Awaitable[str]], tmp_path: Path
+) -> None:
+    topic = await new_topic(1)
+    run = Wrapped("tests.support.traced", settings, topic, tmp_path, ".jsonl")
+    payloads = [{"n": n, "type": "order.batched", "poison": n == 7} for n in range(12)]
+    trace_of: dict[str, str] = json.loads(run.publish(json.dumps(payloads)))
+    ids = list(trace_of)  # in publishing order
+    poisoned = ids[7]
+
+    def calls() -> list[Span]:
+        return [s for s in _spans(run.out["consumer"]) if BATCH_COUNT in s["attributes"]]
+
+    def linked(span: Span) -> dict[str, str]:
+        """{event id: the trace its link points to} of one call's span."""
+        return {
+            link["attributes"][MESSAGE_ID]: _hex(link["context"]["trace_id"])
+            for link in span["links"]
+        }
+
+    def done() -> bool:
+        applied = {e for s in calls() if s["status"]["status_code"] == "UNSET" for e in linked(s)}
+        letters = [
+            s for s in _spans(run.out["consumer"]) if s["attributes"].get("outbox.dead_letter")
+        ]
+        return set(ids) - {poisoned} <= applied and bool(letters)
+
+    async with run.daemons():
+        await wait_for(done, timeout=90, what="the batch handler's spans of all twelve events")
+
+    spans = calls()
+    committed = [s for s in spans if s["status"]["status_code"] == "UNSET"]
+    for span in spans:
+        assert span["name"] == f"process {topic}"
+        assert span["kind"] == "SpanKind.CONSUMER"
+        # Its own trace (a list spans many), linked to each event's producer trace.
+        assert _hex(span["context"]["trace_id"]) not in trace_of.values()
+        assert span["attributes"][BATCH_COUNT] == len(span["links"])
+        assert span["attributes"]["messaging.consumer.group.name"] == run.group
+        assert all(trace_of[e] == t for e, t in linked(span).items())
+    # Every event but the poison one was applied by exactly one committed call; the poison
+    # one by none (it is dead-lettered alone, in its own trace).
+    applied = [e for s in committed for e in linked(s)]
+    assert sorted(applied) == sorted(set(ids) - {poisoned})
+    failed = [s for s in spans if s["status"]["status_code"] == "ERROR"]
+    assert failed and all(poisoned in linked(s) for s in failed)
+    [letter] = [s for s in _spans(run.out["consumer"]) if s["attributes"].get("outbox.dead_letter")]
+    assert letter["attributes"][MESSAGE_ID] == poisoned
+    assert _hex(letter["context"]["trace_id"]) == trace_of[poisoned]
+    assert letter["attributes"]["error.type"] == "Permanent"
 
 
 async def test_idempotent_requests_carry_the_key_and_replay_on_their_spans(

@@ -35,9 +35,13 @@ from tests.support.relay import (
     verdict,
 )
 from tests.support.wal import confirmed_lsn, drop_slot, slot_reader, wait_until, wal_relay_env
-from tests.support.wal import settings as settings  # the fixture
 
 pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def settings(wal_settings: OutboxSettings) -> OutboxSettings:
+    return wal_settings
 
 
 def _env(settings: OutboxSettings, **extra: str) -> dict[str, str]:
@@ -283,7 +287,8 @@ async def test_a_slot_dropped_under_the_relay_stops_it_with_exit_2_and_one_line(
 ) -> None:
     topic = await new_topic()
     ids = publish_numbered(engine, settings, topic, 100)
-    relay = RelayProcess(_env(settings), tmp_path, "wal")
+    # No heartbeat during the test: the confirmed LSN moves only with the events.
+    relay = RelayProcess(_env(settings, OUTBOX_WAL__HEARTBEAT_SECONDS="3600"), tmp_path, "wal")
     try:
         await read_ids(settings.kafka_bootstrap_servers, topic, ids)
         lsn = confirmed_lsn(settings)

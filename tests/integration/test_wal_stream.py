@@ -34,12 +34,16 @@ from tests.support.wal import (
     wait_until,
     wal_relay_env,
 )
-from tests.support.wal import settings as settings  # the fixture
 
 pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[2]
 INBOX_APP = "tests.support.inbox_apps:app"
+
+
+@pytest.fixture
+def settings(wal_settings: OutboxSettings) -> OutboxSettings:
+    return wal_settings
 
 
 def _exit_line(relay: RelayProcess) -> str:

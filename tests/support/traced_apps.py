@@ -3,7 +3,9 @@
 Payload {"fail_times": N}: a retryable error on the first N attempts (then success);
 {"poison": true}: a permanent error (dead-lettered at once). An order.shipped event goes to a
 *sync* handler that publishes a follow-up (shipment.noted, which this app does not handle):
-the follow-up must continue the event's trace. Configured by INBOX_TEST_* environment
+the follow-up must continue the event's trace. order.batched events go to a *batch* handler
+(one span per call, linked to each event's trace), which names a poison one in its
+``Permanent``. Configured by INBOX_TEST_* environment
 variables (the library never reads them) and the daemon's own OUTBOX_* settings.
 """
 
@@ -50,3 +52,10 @@ def note_shipment(order: Order, session: Session) -> None:
     _outbox().publish(
         session, topic=app.topics[0], key="k", event_type="shipment.noted", payload={"n": order.n}
     )
+
+
+@app.handler("order.batched", batch=True)
+async def handle_many(orders: list[Order], session: AsyncSession) -> None:
+    for order in orders:
+        if order.poison:
+            raise Permanent("order cannot be handled", event=order)

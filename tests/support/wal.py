@@ -10,12 +10,10 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import psycopg
-import pytest
 from pydantic import SecretStr
 from sqlalchemy.engine import make_url
 
 from outbox.settings import OutboxSettings
-from tests.support.relay import relay_env
 
 
 def _admin(settings: OutboxSettings) -> psycopg.Connection[tuple[object, ...]]:
@@ -59,14 +57,6 @@ def drop_slot(settings: OutboxSettings, wait: float) -> None:
                 time.sleep(0.01)
 
 
-@pytest.fixture
-def settings(isolated_settings: OutboxSettings) -> Iterator[OutboxSettings]:
-    """The test's settings in WAL mode with a slot and publication of its own (import it
-    into a test module as its ``settings`` fixture)."""
-    with wal_source(isolated_settings) as own:
-        yield own
-
-
 @contextmanager
 def login_role(settings: OutboxSettings) -> Iterator[OutboxSettings]:
     """``settings`` logging in as a fresh role with LOGIN only: no REPLICATION, no CREATE
@@ -87,11 +77,6 @@ def login_role(settings: OutboxSettings) -> Iterator[OutboxSettings]:
     finally:
         with _admin(settings) as conn:
             conn.execute(psycopg.sql.SQL("DROP ROLE {}").format(psycopg.sql.Identifier(role)))
-
-
-def wal_relay_env(settings: OutboxSettings, **extra: str) -> dict[str, str]:
-    """The environment of a relay process reading ``settings``' slot."""
-    return relay_env(settings, **wal_env(settings), **extra)
 
 
 def wait_until(what: Callable[[], bool], timeout: float) -> bool:
@@ -131,3 +116,10 @@ def wal_env(settings: OutboxSettings) -> dict[str, str]:
         "OUTBOX_WAL__PUBLICATION": settings.wal.publication,
         "OUTBOX_WAL__PREFIX": settings.wal.prefix,
     }
+
+
+def wal_relay_env(settings: OutboxSettings, **extra: str) -> dict[str, str]:
+    """A WAL relay's (or the CLI's) environment for ``settings``; ``extra`` overrides."""
+    from tests.support.relay import relay_env
+
+    return relay_env(settings, **{**wal_env(settings), **extra})

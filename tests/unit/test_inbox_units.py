@@ -319,8 +319,9 @@ async def test_a_background_task_that_dies_fails_the_consumers_health_loudly(
 
 def test_a_lane_uses_only_its_host_offers_pauses_and_resumes() -> None:
     # inbox/lane.py: the lane sees its daemon through LaneHost alone. Records far beyond a
-    # transaction's worth pause the partition; once finished, the lane trims them, reports
-    # the offset and resumes fetching.
+    # transaction's worth pause the partition; as transactions finish them, the lane trims
+    # them and reports the offset, and it resumes fetching at half the pause mark, while
+    # the rest is still being handled (not once the lane has run dry).
     import logging
 
     from aiokafka import TopicPartition
@@ -348,8 +349,14 @@ def test_a_lane_uses_only_its_host_offers_pauses_and_resumes() -> None:
     lane.feed([SimpleNamespace(offset=o, value=b"v") for o in range(8)])  # type: ignore[misc]
     assert calls == [("offer", tp), ("pause", tp)] and lane.paused
     assert [e.offset for e in lane.queued(3, 2)] == [4, 5]
+    lane.busy = True  # a run of several transactions is under way
+    asyncio.run(lane.progress(2))  # its first transaction committed: 6 records left
+    assert calls[2:] == [("finished", 2)] and lane.paused
+    assert [e.offset for e in lane.events] == [2, 3, 4, 5, 6, 7] and lane.fetched_bytes == 6
+    asyncio.run(lane.progress(4))  # 4 left: two transactions' worth, fetch again now
+    assert calls[3:] == [("finished", 4), ("resume", tp)] and not lane.paused
     asyncio.run(lane.progress(8))  # every record committed in the database
     lane.settle()
-    assert calls[2:] == [("finished", 8), ("resume", tp)]
+    assert calls[5:] == [("finished", 8)]
     assert lane.events == [] and lane.fetched_bytes == 0 and not lane.paused
     assert host.dependency_of(OSError()) is host.database

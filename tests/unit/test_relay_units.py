@@ -217,7 +217,10 @@ async def test_a_leader_watch_that_dies_fails_the_relays_health_and_is_not_resta
 
     publisher.watch.run = broken  # type: ignore[method-assign]
     publisher.watch.ensure()
-    await asyncio.sleep(0.01)
+    for _ in range(500):  # a few loop turns; more on a loaded machine
+        if publisher.failure is not None:
+            break
+        await asyncio.sleep(0.01)
     assert publisher.failure is not None  # Relay.healthy() is False
     publisher.watch.ensure()  # the next stall: not restarted into the same bug
     await asyncio.sleep(0.01)
