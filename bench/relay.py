@@ -659,6 +659,12 @@ def main() -> None:
         "alternately, --pairs times: table, wal or table,wal (with --held-snapshot: the "
         "held-snapshot run on that source); see bench/wal.py",
     )
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="with --source: sample each relay's CPU while it drains (bench/cpuprofile.py) and "
+        "print where it went, per event",
+    )
     args = ap.parse_args()
 
     base = OutboxSettings()
@@ -697,8 +703,9 @@ def main() -> None:
                 f"load: {os.cpu_count()} cores, loadavg {os.getloadavg()[0]:.2f}; "
                 f"backlog {args.rows} events of ~300 B, {KEYS} keys, {args.partitions} partitions"
             )
+            starter = wal.profiled_relay if args.profile else start_relay
             medians = wal.compare(
-                settings, start_relay, fill, sources, args.partitions, args.rows, args.pairs, logs
+                settings, starter, fill, sources, args.partitions, args.rows, args.pairs, logs
             )
             print(json.dumps(medians))
             return

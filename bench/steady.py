@@ -6,6 +6,7 @@
     python -m bench.steady --vs /path/to/old/outbox --pairs 3   # alternate two relay builds
     python -m bench.steady --consumer --consumer-vs base=/path/to/old/checkout --pairs 3
     python -m bench.steady --idle 30                     # also the relay's cost with no events
+    python -m bench.steady --source wal --checkout base=/path/to/old/checkout  # the WAL source
     python -m bench.steady --busy 1                      # on a busy host: a CPU-bound process
 
 A producer (child processes, ``Outbox.publish_many`` in the caller's transaction as an
@@ -40,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import multiprocessing
 import os
@@ -63,6 +65,7 @@ from bench.common import create_topic, delete_topics
 from bench.cpuprofile import CpuProfile, Stage
 from bench.relay import _dsn, own_outbox, read_topic, relay_env, stop_relays, wait_balanced
 from bench.steady_app import DDL, TABLE
+from bench.wal import wal_mode
 from outbox import Outbox, migrate
 from outbox.db import sync_engine
 from outbox.envelope import Message
@@ -92,11 +95,12 @@ def cpu_seconds(pid: int) -> float:
 
 def producer(
     url: str, topic: str, rate: float, seconds: float, tick: float, keys: int, first: int,
-    step: int, single: bool, out: Connection,
+    step: int, single: bool, source: str, out: Connection,
 ) -> None:  # fmt: skip
     """Child process: commit events ``first, first + step, ...`` at ``rate``/s for
-    ``seconds``; send back {event_id: wall-clock time its commit returned}."""
-    settings = OutboxSettings(database_url=url)  # type: ignore[arg-type]
+    ``seconds`` (into the outbox table or the WAL: ``source``); send back {event_id:
+    wall-clock time its commit returned}."""
+    settings = OutboxSettings(database_url=url, source=source)  # type: ignore[arg-type]
     engine = sync_engine(settings, pool_pre_ping=False)
     ob = Outbox(settings)
     committed: dict[str, float] = {}
@@ -138,7 +142,7 @@ def produce(settings: OutboxSettings, topic: str, args: argparse.Namespace) -> d
         proc = ctx.Process(
             target=producer,
             args=(url, topic, args.rate / n, args.seconds, args.tick_ms / 1000, args.keys, p, n,
-                  args.single, send),
+                  args.single, settings.source, send),
         )  # fmt: skip
         proc.start()
         pipes.append(recv)
@@ -228,6 +232,22 @@ def report_consumer(path: Path, events: int) -> None:
     prof.save(str(path.with_suffix(".folded")))
     print(f"  profile of the consumer ({path.with_suffix('.folded')}):", flush=True)
     print(prof.report(events, rows=30, stages=CONSUMER_STAGES), flush=True)
+
+
+def wait_reading(settings: OutboxSettings, timeout: float = 60) -> None:
+    """Until a WAL relay reads the slot: it holds the reader lock (any version)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with psycopg.connect(settings.libpq_dsn) as conn:
+            row = conn.execute(
+                "SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid"
+                " WHERE l.locktype = 'advisory' AND l.granted"
+                " AND a.application_name = 'outbox-relay-wal' AND a.datname = current_database()"
+            ).fetchone()
+        if row and row[0]:
+            return
+        time.sleep(0.2)
+    raise RuntimeError(f"no relay read the slot within {timeout} s")
 
 
 def warm_up(settings: OutboxSettings, topic: str, partitions: int, timeout: float = 120) -> None:
@@ -328,7 +348,10 @@ def one_run(
     # A busy host: CPU-bound processes beside the daemons (the same for every build).
     busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.busy)]
     try:
-        wait_balanced(settings, 1)
+        if settings.source == "wal":
+            wait_reading(settings)
+        else:
+            wait_balanced(settings, 1)
         if args.idle:
             idle_cost(settings, dbname, relay.pid, args.idle)
         if args.consumer:
@@ -448,6 +471,12 @@ def main() -> None:
         default=[],
         help="another checkout to run both the relay and the consumer from (PYTHONPATH)",
     )
+    ap.add_argument(
+        "--source",
+        choices=("table", "wal"),
+        default="table",
+        help="where producers put events and the relay reads them (wal: a slot of this run)",
+    )
     ap.add_argument("--pairs", type=int, default=3)
     args = ap.parse_args()
     args.consumer = args.consumer or bool(args.consumer_vs)
@@ -486,37 +515,50 @@ def main() -> None:
         relay.write_text(f'#!/bin/sh\nPYTHONPATH={checkout} exec {sys.executable} -m cli "$@"\n')
         relay.chmod(0o755)
         builds.append((name, str(relay), checkout))
-    several = len(builds) > 1
-    runs: dict[str, list[Run]] = {name: [] for name, _, _ in builds}
     try:
         migrate.upgrade(settings)
-        for i in range(args.pairs if several else 1):
-            # Alternate which build goes first: a drift in the machine's load then
-            # spreads over both sides.
-            for name, exe, path in builds if i % 2 == 0 else builds[::-1]:
-                run = one_run(settings, dbname, exe, args, logs, path)
-                runs[name].append(run)
-                print(show(f"  {name:5s}", run), flush=True)
-        summary = {}
-        for name, rs in runs.items():
-            med = {
-                "relay_p50_ms": statistics.median(r.relay[0] for r in rs),
-                "relay_p99_ms": statistics.median(r.relay[1] for r in rs),
-                "relay_cpu_us_per_event": statistics.median(r.cpu_us_per_event for r in rs),
-            }
-            if all(r.e2e is not None for r in rs):
-                med["e2e_p50_ms"] = statistics.median(r.e2e[0] for r in rs if r.e2e)
-                med["e2e_p99_ms"] = statistics.median(r.e2e[1] for r in rs if r.e2e)
-                med["consumer_cpu_us_per_event"] = statistics.median(
-                    r.consumer_cpu_us_per_event or 0.0 for r in rs
-                )
-            summary[name] = med
-        print(json.dumps(summary))
+        source = wal_mode(settings) if args.source == "wal" else contextlib.nullcontext(settings)
+        with source as settings:
+            run_builds(settings, dbname, builds, args, logs)
     finally:
         with psycopg.connect(_dsn(base, "postgres"), autocommit=True) as conn:
             conn.execute(f'DROP DATABASE IF EXISTS "{dbname}" WITH (FORCE)')
         asyncio.run(delete_topics(base))
         print(f"logs: {logs}", file=sys.stderr)
+
+
+def run_builds(
+    settings: OutboxSettings,
+    dbname: str,
+    builds: list[tuple[str, str, str | None]],
+    args: argparse.Namespace,
+    logs: Path,
+) -> None:
+    """``--pairs`` runs of each build, alternating, and the medians of each."""
+    several = len(builds) > 1
+    runs: dict[str, list[Run]] = {name: [] for name, _, _ in builds}
+    for i in range(args.pairs if several else 1):
+        # Alternate which build goes first: a drift in the machine's load then
+        # spreads over both sides.
+        for name, exe, path in builds if i % 2 == 0 else builds[::-1]:
+            run = one_run(settings, dbname, exe, args, logs, path)
+            runs[name].append(run)
+            print(show(f"  {name:5s}", run), flush=True)
+    summary = {}
+    for name, rs in runs.items():
+        med = {
+            "relay_p50_ms": statistics.median(r.relay[0] for r in rs),
+            "relay_p99_ms": statistics.median(r.relay[1] for r in rs),
+            "relay_cpu_us_per_event": statistics.median(r.cpu_us_per_event for r in rs),
+        }
+        if all(r.e2e is not None for r in rs):
+            med["e2e_p50_ms"] = statistics.median(r.e2e[0] for r in rs if r.e2e)
+            med["e2e_p99_ms"] = statistics.median(r.e2e[1] for r in rs if r.e2e)
+            med["consumer_cpu_us_per_event"] = statistics.median(
+                r.consumer_cpu_us_per_event or 0.0 for r in rs
+            )
+        summary[name] = med
+    print(json.dumps(summary))
 
 
 if __name__ == "__main__":

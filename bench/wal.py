@@ -15,9 +15,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import pickle
 import signal
 import statistics
 import subprocess
+import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -27,6 +30,7 @@ import psycopg
 from aiokafka import TopicPartition
 
 from bench.common import create_topic
+from bench.cpuprofile import CpuProfile
 from outbox import Message, Outbox
 from outbox.daemon import kafka_consumer
 from outbox.db import sync_engine
@@ -88,6 +92,32 @@ def fill_wal(settings: OutboxSettings, topic: str, rows: int) -> None:
         engine.dispose()
 
 
+def profiled_relay(settings: OutboxSettings, logs: Path, name: str) -> subprocess.Popen[bytes]:
+    """One relay at INFO under the CPU-time profiler (``bench/steady_profile.py``: samples
+    from SIGUSR1 to SIGUSR2, written beside its log); :func:`drain` reports them."""
+    from bench.relay import relay_env  # bench.relay imports this module
+
+    script = Path(__file__).with_name("steady_profile.py")
+    return subprocess.Popen(
+        [sys.executable, str(script), str(logs / f"{name}.pickle"), "relay"],
+        # Another checkout's relay when PYTHONPATH names one (its bench/ has the profiler).
+        env={"PYTHONPATH": str(Path(__file__).parents[1]), **relay_env(settings)},
+        stdout=(logs / name).open("wb"),
+        stderr=subprocess.STDOUT,
+    )
+
+
+def _report(path: Path, events: int) -> None:
+    prof = CpuProfile()
+    saved = pickle.loads(path.read_bytes())
+    prof.stacks, prof.cpu_seconds = saved["stacks"], saved["cpu_seconds"]
+    # Beside the logs, which the benchmark removes: the folded stacks stay for flamegraphs.
+    folded = Path(tempfile.gettempdir()) / f"{path.stem}.folded"
+    prof.save(str(folded))
+    print(f"  profile of the relay ({folded}):", flush=True)
+    print(prof.report(events, rows=30), flush=True)
+
+
 def _ready(logs: Path, name: str, marker: str, timeout: float = 60) -> None:
     deadline = time.monotonic() + timeout
     while marker not in (logs / name).read_text(errors="replace"):
@@ -116,7 +146,17 @@ def drain(
         proc.send_signal(signal.SIGSTOP)
         with held or contextlib.nullcontext():
             fill(settings, topic, rows)
-            return asyncio.run(_until_appended(settings, topic, partitions, rows, proc))
+            profile = logs / f"{name}.pickle"
+            profiled = start_relay is profiled_relay
+            rate = asyncio.run(_until_appended(settings, topic, partitions, rows, proc, profiled))
+            if profiled:
+                proc.send_signal(signal.SIGUSR2)
+                deadline = time.monotonic() + 10
+                while not profile.exists() and time.monotonic() < deadline:
+                    time.sleep(0.1)
+                time.sleep(0.5)  # written whole
+                _report(profile, rows)
+            return rate
     finally:
         proc.send_signal(signal.SIGCONT)
         proc.send_signal(signal.SIGTERM)
@@ -132,6 +172,7 @@ async def _until_appended(
     partitions: int,
     rows: int,
     proc: subprocess.Popen[bytes],
+    profiled: bool = False,
 ) -> float:
     consumer = kafka_consumer(settings, enable_auto_commit=False)
     await consumer.start()
@@ -139,6 +180,8 @@ async def _until_appended(
     try:
         t0 = time.perf_counter()
         proc.send_signal(signal.SIGCONT)
+        if profiled:
+            proc.send_signal(signal.SIGUSR1)
         while sum((await consumer.end_offsets(parts)).values()) < rows:
             if time.perf_counter() > t0 + 600:
                 raise RuntimeError(f"the relay did not drain {rows} events in 600 s")

@@ -13,7 +13,12 @@ from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from outbox.dberrors import OUTAGE, REFUSED, sqlstate_trouble, trouble
-from outbox.errors import DatabaseRefused, DatabaseUnavailable, SchemaMissing
+from outbox.errors import (
+    DatabaseRefused,
+    DatabaseUnavailable,
+    ReplicationRefused,
+    SchemaMissing,
+)
 from outbox.settings import OutboxSettings
 
 
@@ -45,6 +50,34 @@ async def unprepared_connection(
         )
     except psycopg.Error as exc:
         raise unavailable(exc) from None
+
+
+async def replication_connection(
+    settings: OutboxSettings, application_name: str
+) -> psycopg.AsyncConnection[tuple[Any, ...]]:
+    """A replication connection (``replication=database``: a walsender that streams a
+    logical slot) to ``settings``' database; libpq applies every setting of the URL (TLS,
+    SCRAM). :class:`ReplicationRefused` when the server or a pooler refuses replication for
+    good (the role lacks REPLICATION; PgBouncer and other poolers do not pass it); other
+    failures are psycopg's errors, as for any connection."""
+    try:
+        return await psycopg.AsyncConnection.connect(
+            settings.libpq_dsn,
+            autocommit=True,
+            replication="database",
+            application_name=application_name,
+        )
+    except psycopg.OperationalError as exc:
+        text = str(exc)
+        if not any(word in text for word in ("replication", "WAL sender", "walsender")):
+            raise
+        last = text.strip().splitlines()[-1]
+        raise ReplicationRefused(
+            f"the WAL source's replication connection was refused: {_scrub(last)}; the "
+            "relay's role needs REPLICATION (`outbox wal setup --print-sql`) and "
+            "relay.database_url must reach PostgreSQL directly (connection poolers do not "
+            "pass replication connections)"
+        ) from None
 
 
 def _engine_options(settings: OutboxSettings, kwargs: dict[str, Any]) -> dict[str, Any]:

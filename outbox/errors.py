@@ -180,3 +180,9 @@ class WalSlotUnavailable(WalSetupError):
 
 class WalRecordInvalid(ConfigurationError):
     """pgoutput sent a record the WAL source cannot parse (not protocol version 1?)."""
+
+
+class ReplicationRefused(ConfigurationError):
+    """The database refused the WAL source's replication connection for good: a role
+    without REPLICATION, or a connection pooler that does not pass replication connections
+    (the WAL relay needs a direct connection to PostgreSQL: ``relay.database_url``)."""

@@ -52,7 +52,7 @@ def _time(micros: int) -> str:
     return moment.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
-def begin(data: bytes) -> Begin:
+def begin(data: bytes | memoryview) -> Begin:
     try:
         final_lsn, commit_time, _ = _BEGIN.unpack_from(data, 1)
     except struct.error as exc:
@@ -60,14 +60,25 @@ def begin(data: bytes) -> Begin:
     return Begin(final_lsn, _time(commit_time), _PG_EPOCH_UNIX + commit_time / 1e6, commit_time)
 
 
-def message(data: bytes) -> Message:
+def message(data: bytes | memoryview) -> Message:
+    """A Message record; its content a memoryview of ``data`` (no copy)."""
     view = memoryview(data)
+    at = 1 + _MESSAGE_HEAD.size
     try:
         flags, lsn = _MESSAGE_HEAD.unpack_from(view, 1)
-        nul = data.index(0, 1 + _MESSAGE_HEAD.size)
-        prefix = bytes(view[1 + _MESSAGE_HEAD.size : nul]).decode()
+        # The prefix is short: look for its end in a small copy of the head only.
+        nul = at + bytes(view[at : at + 256]).index(0)
+    except struct.error as exc:
+        raise WalRecordInvalid(f"pgoutput Message record: {exc}") from None
+    except ValueError:
+        try:
+            nul = at + bytes(view[at:]).index(0)
+        except ValueError as exc:
+            raise WalRecordInvalid(f"pgoutput Message record: {exc}") from None
+    prefix = bytes(view[at:nul]).decode()
+    try:
         (n,) = _LEN.unpack_from(view, nul + 1)
-    except (struct.error, ValueError) as exc:
+    except struct.error as exc:
         raise WalRecordInvalid(f"pgoutput Message record: {exc}") from None
     start = nul + 1 + _LEN.size
     if start + n != len(view):
@@ -75,7 +86,7 @@ def message(data: bytes) -> Message:
     return Message(bool(flags & 1), lsn, prefix, view[start:])
 
 
-def commit(data: bytes) -> Commit:
+def commit(data: bytes | memoryview) -> Commit:
     try:
         _, _, end_lsn, _ = _COMMIT.unpack_from(data, 1)
     except struct.error as exc:

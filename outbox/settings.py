@@ -498,7 +498,8 @@ class WalSettings(_Section):
         10_000,
         ge=1,
         le=1_000_000,
-        description="Most changes read from the slot per read (upto_nchanges): bounds memory.",
+        description="Most records streamed from the slot before the relay marks a position to "
+        "confirm (at the next transaction end) while a backlog keeps coming.",
     )
     heartbeat_seconds: float = Field(
         10.0,

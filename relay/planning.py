@@ -48,6 +48,21 @@ _KEY_CACHE_LIMIT = 100_000
 Batches = list[tuple[Any, list[int]]]
 
 
+def _common_headers(
+    event_type: str, source: str, ce_time: str, content_type: str | None
+) -> list[tuple[str, bytes]]:
+    """The CloudEvents headers after ``ce_id``, in the order records carry them."""
+    headers = [
+        ("ce_type", event_type.encode()),
+        ("ce_source", source.encode()),
+        ("ce_time", ce_time.encode()),
+        ("ce_specversion", _SPEC),
+    ]
+    if content_type is not None:  # a tombstone has no content to describe
+        headers.append(("content-type", content_type.encode()))
+    return headers
+
+
 class BatchPlanner:
     def __init__(
         self, settings: OutboxSettings, health: PartitionHealth, pool: ProducerPool
@@ -122,6 +137,7 @@ class BatchPlanner:
         refused: dict[tuple[str, int], PartitionUnavailable | None] = {}
         parts_of: dict[str, list[int] | Exception] = {}
         sticky: dict[str, int] = {}
+        encoded: dict[tuple[str, str, str, str | None], list[tuple[str, bytes]]] = {}
         for i, row in enumerate(rows):
             topic = row[TOPIC]
             parts = parts_of.get(topic)
@@ -147,19 +163,18 @@ class BatchPlanner:
                 outcome.failed[i] = unavailable
                 continue
             payload: bytes | None = row[PAYLOAD]  # None: a tombstone
-            headers = [
-                ("ce_id", row[CE_ID].encode()),
-                ("ce_type", row[EVENT_TYPE].encode()),
-                ("ce_source", row[SOURCE].encode()),
-                ("ce_time", row[CE_TIME].encode()),
-                ("ce_specversion", _SPEC),
-            ]
-            if row[CONTENT_TYPE] is not None:  # a tombstone has no content to describe
-                headers.append(("content-type", row[CONTENT_TYPE].encode()))
-            own = len(headers)
+            # The headers after ce_id are shared by the rows of a transaction (type,
+            # source, time, content type): encoded once per publish.
+            shared = (row[EVENT_TYPE], row[SOURCE], row[CE_TIME], row[CONTENT_TYPE])
+            common = encoded.get(shared)
+            if common is None:
+                common = encoded[shared] = _common_headers(*shared)
+            headers = [("ce_id", row[CE_ID].encode()), *common]
+            size = len(payload or b"") + len(key or b"")
             if row[HEADERS] != "{}":
-                headers.extend((k, v.encode()) for k, v in json.loads(row[HEADERS]).items())
-            size = len(payload or b"") + len(key or b"") + sum(len(v) for _, v in headers[own:])
+                extra = [(k, v.encode()) for k, v in json.loads(row[HEADERS]).items()]
+                headers.extend(extra)
+                size += sum(len(v) for _, v in extra)
             if size > limit:
                 outcome.failed[i] = RecordTooLarge(size, limit)
                 continue

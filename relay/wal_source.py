@@ -1,20 +1,26 @@
 """The relay's WAL source: events read from a logical replication slot, in commit order.
 
 One relay reads a slot at a time: it holds a session advisory lock (relay/wal_store.py)
-on the connection that reads; the others stand by, trying the lock every
-``relay.poll_interval_seconds``, and the first to get it after the reader's connection
-dies takes over from the slot's confirmed position.
+on its SQL connection, and the slot itself admits one streaming session (a second
+``START_REPLICATION`` fails with SQLSTATE 55006); the others stand by, trying the lock
+every ``relay.poll_interval_seconds``, and the first to get it after the reader's
+connections die takes over from the slot's confirmed position.
 
-A read (``wal.batch_changes`` records at most, whole transactions) goes through a cursor,
-a few hundred records at a time, so neither a huge transaction nor large messages are
-held at once. Its events are split by key over ``relay.pipelines`` streams; each stream
-publishes batch after batch (up to ``relay.batch_size`` events or its share of
-``relay.max_inflight_bytes``), each waited for until Kafka has acknowledged every event in
-it (or refused it for good: the failed table), so a key's events go out in commit order
-while one stream's batch waits for acks and another's is built. The slot is advanced —
-at the end of a read, and at a transaction end every ``CHECKPOINT_SECONDS`` within a long
-one — only once every stream has settled every event read before that point; a crash
-re-reads from there (duplicates, never loss: the inbox dedupes).
+The reader streams the slot over the replication protocol (relay/wal_stream.py):
+transactions arrive as they commit, decoded once. Their events are split by key over
+``relay.pipelines`` streams; each stream publishes batch after batch (up to
+``relay.batch_size`` events or its share of ``relay.max_inflight_bytes``), each waited for
+until Kafka has acknowledged every event in it (or refused it for good: the failed table),
+so a key's events go out in commit order while one stream's batch waits for acks and the
+next fills. A batch goes when it is full, or as soon as the stream has nothing more
+buffered and the stream's previous batch is settled: low latency at a trickle, large
+batches under load, and at most two batches per stream in memory, however large a
+transaction.
+
+Positions the slot may confirm (a transaction's end; a keepalive's WAL end between
+transactions) are marked with how many batches of each stream must be settled first;
+a mark is confirmed to the server (a standby status update) once they are, never before —
+a crash re-reads from the confirmed position (duplicates, never loss: the inbox dedupes).
 
 A slot that disappears or is invalidated under the relay (``wal_status = 'lost'``: past
 ``max_slot_wal_keep_size``) stops it at once with :class:`~relay.errors.SlotLost`: the
@@ -28,8 +34,8 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Iterator
-from typing import Any
+from collections import deque
+from typing import Any, NamedTuple
 
 import psycopg
 from psycopg.rows import dict_row
@@ -37,10 +43,16 @@ from psycopg.rows import dict_row
 from outbox import envelope, pgoutput, wal_codec
 from outbox.db import unavailable, unprepared_connection
 from outbox.dberrors import is_transient
-from outbox.errors import DatabaseUnavailable, SchemaMissing, TopicMissing, WalSlotMismatch
+from outbox.errors import (
+    DatabaseUnavailable,
+    SchemaMissing,
+    TopicMissing,
+    WalPrivilegeMissing,
+    WalSlotMismatch,
+)
 from outbox.ops.store import WAL_SLOT
 from outbox.ops.wal_health import WalGauges
-from outbox.ops.wal_slot import SlotState
+from outbox.ops.wal_slot import SlotState, setup_sql
 from outbox.outages import Dependency
 from outbox.resilience.retry import RetryPolicy
 from outbox.settings import OutboxSettings
@@ -54,16 +66,18 @@ from relay.store import CE_ID, EVENT_TYPE, KEY, PAYLOAD, TOPIC, ClaimedRow, Rela
 from relay.table_gate import TableGate
 from relay.waiting import sleep_unless
 from relay.wal_store import WalStore, lsn_int, lsn_text
+from relay.wal_stream import WalStream
 
 log = logging.getLogger("relay.wal")
 
-# Records fetched from the read's cursor at a time (at most; fewer when they are large).
-FIRST_FETCH, FETCH_RECORDS = 16, 500
+# Longest wait between two standby status updates (the server ends a replication
+# session it has not heard from for wal_sender_timeout, 60 s by default).
+STATUS_SECONDS = 10.0
+# While transactions keep coming, a position to confirm is marked at a transaction end
+# this often at least (and every ``wal.batch_changes`` records).
+MARK_SECONDS = 0.05
 # How often the slot's gauges are read.
 GAUGE_SECONDS = 5.0
-# Within a long read, confirm the slot at a transaction end this often (each advance
-# decodes the WAL from the slot's restart position: not at every transaction).
-CHECKPOINT_SECONDS = 5.0
 # How long rows of a missing topic wait before the topic is asked for again.
 MISSING_TOPIC_RECHECK_SECONDS = 5.0
 # SQLSTATEs of a slot gone under the reader: dropped (undefined_object), invalidated
@@ -72,23 +86,12 @@ MISSING_TOPIC_RECHECK_SECONDS = 5.0
 _DROPPED, _INVALID = "42704", "55000"
 
 
-def _row(event: wal_codec.WalEvent, ce_time: str) -> ClaimedRow:
-    """A WAL event in the claimed-row layout the publisher takes (relay/store.py); id,
-    lane, attempts and fingerprint only matter if it goes to the failed table."""
-    return (
-        0,
-        0,
-        event.topic,
-        event.key,
-        event.payload,
-        str(event.event_id),
-        event.event_type,
-        event.source,
-        event.content_type,
-        event.headers,
-        ce_time,
-        0,
-        b"",
+def _unreadable(exc: wal_codec.WalMessageInvalid, lsn: int) -> wal_codec.WalMessageInvalid:
+    """An outbox message that cannot be read stops the relay with where it is (the slot
+    stays before it: skipping it would lose its events)."""
+    return wal_codec.WalMessageInvalid(
+        f"{exc} (message at LSN {lsn_text(lsn)}; to skip it and lose what it carries, "
+        "advance the slot past its transaction with pg_replication_slot_advance)"
     )
 
 
@@ -100,19 +103,38 @@ def _observed(task: asyncio.Task[None]) -> None:
 
 
 class _Stream:
-    """One key-disjoint share of a read's events: the batch being filled, and the one
+    """One key-disjoint share of the slot's events: the batch being filled, and the one
     being published (at most one at a time, so the stream's events stay in order)."""
 
     def __init__(self) -> None:
         self.rows: list[ClaimedRow] = []
         self.bytes = 0
         self.sending: asyncio.Task[None] | None = None
+        self.handed = 0  # batches handed over to publish
+        self.done = 0  # of those, settled (acknowledged or moved to failed), in order
+
+    @property
+    def free(self) -> bool:
+        return self.sending is None or self.sending.done()
 
     async def settled(self) -> None:
         """Until the batch being published is settled (its failure raised here)."""
         if self.sending is not None:
             sending, self.sending = self.sending, None
             await sending
+
+
+class _Mark(NamedTuple):
+    """A position the slot may confirm once every stream has settled ``needs[i]`` batches
+    (those holding every event read before it)."""
+
+    lsn: int
+    needs: tuple[int, ...]
+    oldest: float | None  # commit time (Unix) of the first transaction since the last mark
+
+
+class _TableFirst(Exception):
+    """The outbox table holds unpublished rows older than the transaction just read."""
 
 
 class WalSource:
@@ -144,7 +166,10 @@ class WalSource:
         # Two batches per stream may be around at once (one filling, one in flight).
         self._batch_bytes = max(1, r.max_inflight_bytes // (2 * self._streams))
         self._side: psycopg.AsyncConnection[tuple[Any, ...]] | None = None
-        self._cut = False  # a publish given up on stopping: confirm nothing more
+        self._checked_role = False  # the role's REPLICATION attribute was looked at
+        self._slot_busy = False  # START_REPLICATION met another session on the slot
+        self._failures = 0  # database failures in a row
+        self._wake: asyncio.Future[None] | None = None  # the read loop's idle wait
         # Switching between the sources: table rows older than a transaction go first.
         self._gate = TableGate(self._store.table_oldest, self._side_conn)
         # Commit time (Unix) of the oldest transaction read but not confirmed yet, if any.
@@ -156,8 +181,6 @@ class WalSource:
 
     async def run(self, stopping: asyncio.Event) -> None:
         loop = asyncio.get_running_loop()
-        failures = 0
-        idle = self._settings.relay.min_poll_interval_seconds
         self._last_commit_at = loop.time()
         try:
             while not stopping.is_set():
@@ -167,22 +190,8 @@ class WalSource:
                     if not self.reading:
                         await self._take_slot(stopping)
                         continue
-                    busy = await self._read(stopping)
-                    if busy and stopping.is_set():
-                        break
-                    failures = 0
-                    self.database.ok()
-                    if busy:
-                        idle = self._settings.relay.min_poll_interval_seconds
-                        continue
-                    if loop.time() - self._last_commit_at >= self._settings.wal.heartbeat_seconds:
-                        await self._conn.execute(
-                            self._store.heartbeat, {"prefix": self._heartbeat_prefix}
-                        )
-                        self._last_commit_at = loop.time()
-                        continue
-                    await sleep_unless(stopping, idle)
-                    idle = min(idle * 2, self._settings.relay.poll_interval_seconds)
+                    if not await self._read(stopping):
+                        await sleep_unless(stopping, self._settings.relay.poll_interval_seconds)
                 except psycopg.errors.UndefinedTable as exc:
                     raise SchemaMissing(
                         f"relay table missing ({exc.diag.message_primary})"
@@ -191,11 +200,9 @@ class WalSource:
                     self._slot_gone(exc)
                     if not is_transient(exc):
                         raise unavailable(exc) from None
-                    await self._outage(exc, stopping, failures)
-                    failures += 1
+                    await self._outage(exc, stopping)
                 except DatabaseUnavailable as exc:
-                    await self._outage(exc, stopping, failures)
-                    failures += 1
+                    await self._outage(exc, stopping)
         finally:
             await self.close()
 
@@ -241,12 +248,13 @@ class WalSource:
     def _heartbeat_prefix(self) -> str:
         return f"{self._settings.wal.prefix}.heartbeat"
 
-    async def _outage(self, exc: BaseException, stopping: asyncio.Event, failures: int) -> None:
+    async def _outage(self, exc: BaseException, stopping: asyncio.Event) -> None:
         # A lost connection took the reader lock with it: another relay may read now.
         self.database.failed(unavailable(exc))
         self._metrics.errors.labels(type(exc).__name__).inc()
         await self.close()
-        await sleep_unless(stopping, self._db_retry.backoff(failures))
+        await sleep_unless(stopping, self._db_retry.backoff(self._failures))
+        self._failures += 1
 
     async def close(self) -> None:
         conns = [self._conn, self._side]
@@ -295,6 +303,8 @@ class WalSource:
         confirmed = state.confirmed_flush_lsn
         if state.wal_status == "lost":
             raise SlotLost(slot, confirmed, "invalidated: wal_status is 'lost'")
+        if not self._checked_role:
+            await self._check_role(conn)
         got = await (await conn.execute(self._store.try_lock)).fetchone()
         if not (got and got[0]):
             await sleep_unless(stopping, self._settings.relay.poll_interval_seconds)
@@ -303,167 +313,268 @@ class WalSource:
         self.confirmed = lsn_int(confirmed) if confirmed else None
         log.info("reading the slot", extra={"slot": slot, "confirmed_lsn": confirmed})
 
+    async def _check_role(self, conn: psycopg.AsyncConnection[tuple[Any, ...]]) -> None:
+        """A role without REPLICATION cannot stream the slot: stop with the SQL to run."""
+        row = await (await conn.execute(self._store.may_replicate)).fetchone()
+        if row is not None and not row[0]:
+            user = str(row[1])
+            raise WalPrivilegeMissing(
+                f"role {user} may not read replication slot {self._settings.wal.slot!r} (it "
+                f'needs REPLICATION): an administrator runs ALTER ROLE "{user}" WITH '
+                "REPLICATION; (all the set-up: `outbox wal setup --print-sql --role "
+                f"{user}`)",
+                sql=setup_sql(self._settings, conn.info.dbname, user),
+                sqlstate="42501",
+            )
+        self._checked_role = True
+
     async def _read(self, stopping: asyncio.Event) -> bool:
-        """One read of the slot, published and confirmed; True when it held any event."""
-        conn = self._conn
-        assert conn is not None
+        """Stream the slot until stopping; False when it stopped for the outbox table
+        (unpublished rows go first: the caller waits a poll interval) or another session
+        streams the slot (its reader is going away: a standby's turn comes within
+        seconds)."""
+        s = self._settings
+        try:
+            ws = await WalStream.start(
+                s, s.wal.slot, s.wal.publication, lsn_text(self.confirmed or 0)
+            )
+        except psycopg.errors.ObjectInUse as exc:
+            # Another session streams it: the last reader's, on its way out (a standby
+            # that just took over), or something else; said once until streaming starts.
+            if not self._slot_busy:
+                self._slot_busy = True
+                log.info(
+                    "the slot is streamed by another session; waiting for it to end: %s",
+                    exc.diag.message_primary or exc,
+                )
+            return False
+        self._slot_busy = False
+        self._failures = 0
+        self.database.ok()
+        streams = [_Stream() for _ in range(self._streams)]
+        marks: deque[_Mark] = deque()
+        try:
+            await self._stream(ws, streams, marks, stopping)
+            return True
+        except _TableFirst:
+            # Publish and confirm what came before the transaction that must wait: the
+            # next stream starts right after it.
+            for stream in streams:
+                if stream.rows:
+                    await self._hand_over(stream, stopping, ws, streams, marks)
+            return False
+        finally:
+            # Stopping, an error or waiting for the table: what is in flight finishes (or
+            # is given up on stopping), what it settled is confirmed, the rest is read
+            # again by the next stream (duplicates at worst, never loss).
+            try:
+                pending = [st.sending for st in streams if st.sending is not None]
+                if pending:
+                    await asyncio.wait(pending)
+                with contextlib.suppress(psycopg.Error):  # the stream may be the failure
+                    self._confirm(ws, streams, marks, force=True)
+            finally:
+                for stream in streams:
+                    if stream.sending is not None:
+                        stream.sending.cancel()
+                await ws.close()
+
+    async def _stream(
+        self,
+        ws: WalStream,
+        streams: list[_Stream],
+        marks: deque[_Mark],
+        stopping: asyncio.Event,
+    ) -> None:
         s = self._settings
         loop = asyncio.get_running_loop()
-        streams = [_Stream() for _ in range(self._streams)]
-        prefix, batch_size = s.wal.prefix, s.relay.batch_size
-        events = since_checkpoint = 0
-        checked_at = loop.time()
+        prefix, batch_size, batch_bytes = s.wal.prefix, s.relay.batch_size, self._batch_bytes
+        mark_every = s.wal.batch_changes
+        n_streams = len(streams)
+        begin_kind, message_kind, commit_kind = pgoutput.BEGIN, pgoutput.MESSAGE, pgoutput.COMMIT
+        safe = marked = self.confirmed or 0  # the furthest confirmable position read
+        in_txn = False
         ce_time = ""
+        records = 0  # since the last mark
+        oldest: float | None = None  # first transaction since the last mark
+        marked_at = loop.time()
         begin: pgoutput.Begin | None = None  # of the transaction being read
         gated = False  # its events may go before the table's unpublished rows
-        safe: int | None = None  # the furthest transaction end read (settled once flushed)
-        checkpoints: list[asyncio.Task[None]] = []
-        self._cut = False
+        stop_wait = asyncio.ensure_future(stopping.wait())
+        stop_wait.add_done_callback(lambda _: self._nudge())
         try:
-            async with conn.transaction():
-                cur = conn.cursor("outbox_wal_read", binary=True)
-                await cur.execute(self._store.peek, {"slot": s.wal.slot, "n": s.wal.batch_changes})
-                # The first fetch is small: its records' size sets the next ones'.
-                started = loop.time()
-                records = await cur.fetchmany(FIRST_FETCH)
-                peeked = loop.time()
-                held = False
-                while records and not held and not stopping.is_set():
-                    for (data,) in records:
-                        kind = data[0]
-                        if kind == pgoutput.MESSAGE:
-                            msg = pgoutput.message(data)
-                            if msg.prefix != prefix or not msg.transactional:
-                                continue
-                            if not gated:
-                                # Older table rows first: this read ends before this
-                                # transaction (nothing of it is taken yet), the next
-                                # one starts from it. Heartbeats are not held.
-                                assert begin is not None  # transactional: after its Begin
-                                if not await self._gate.allows(begin.moment):
-                                    held = True
-                                    break
-                                gated = True
-                            for event in self._events(msg):
-                                key = event.key
-                                stream = streams[hash(key) % len(streams) if key else 0]
-                                stream.rows.append(_row(event, ce_time))
-                                stream.bytes += len(event.payload or b"")
-                                events += 1
-                                if (
-                                    len(stream.rows) >= batch_size
-                                    or stream.bytes >= self._batch_bytes
-                                ):
-                                    await self._hand_over(stream, stopping)
-                        elif kind == pgoutput.BEGIN:
-                            begin = pgoutput.begin(data)
-                            gated = False
-                            ce_time = begin.commit_time
-                            if self._oldest is None:
-                                self._oldest = begin.committed_at
-                        elif kind == pgoutput.COMMIT:
-                            safe = pgoutput.commit(data).end_lsn
-                            now = self._last_commit_at = loop.time()
-                            if events > since_checkpoint and now - checked_at >= CHECKPOINT_SECONDS:
-                                checkpoints.append(await self._checkpoint(streams, safe, stopping))
-                                since_checkpoint, checked_at = events, now
-                    if held:
-                        break
-                    # Fewer records per fetch when they are large: a fetch holds about one
-                    # batch's worth of bytes at most (a message may carry up to 256 KiB).
-                    size = sum(len(r[0]) for r in records)
-                    fetch = max(1, min(FETCH_RECORDS, self._batch_bytes * len(records) // size))
-                    records = await cur.fetchmany(fetch)
-                await self._flush(streams, stopping)
-                await cur.close()
-            await asyncio.gather(*checkpoints)
+            while not stopping.is_set():
+                item = ws.take()
+                if item is None:
+                    # Nothing more buffered: free streams publish what they hold, and
+                    # what is read so far gets a mark.
+                    for stream in streams:
+                        if stream.free:
+                            await stream.settled()  # a batch that failed raises here
+                            if stream.rows:
+                                await self._hand_over(stream, stopping, ws, streams, marks)
+                    if safe > marked:
+                        marks.append(_Mark(safe, self._needs(streams), oldest))
+                        marked, records, oldest = safe, 0, None
+                        marked_at = loop.time()
+                    self._confirm(ws, streams, marks)
+                    if loop.time() - self._last_commit_at >= s.wal.heartbeat_seconds:
+                        await self._heartbeat()
+                    self._wake = loop.create_future()
+                    await ws.wait(self._wake, STATUS_SECONDS / 2)
+                    continue
+                if isinstance(item, int):  # a keepalive: every record before it was sent
+                    if not in_txn and item > safe:
+                        safe = item
+                    continue
+                records += 1
+                kind = item[0]
+                if kind == message_kind:
+                    msg = pgoutput.message(item)
+                    if msg.prefix != prefix or not msg.transactional:
+                        continue
+                    if not gated:
+                        # Older table rows first (relay/table_gate.py); nothing of this
+                        # transaction is taken yet. Heartbeats are not held.
+                        assert begin is not None  # transactional: after its Begin
+                        if not await self._gate.allows(begin.moment):
+                            raise _TableFirst
+                        gated = True
+                    try:
+                        for (
+                            event_id,
+                            topic,
+                            key,
+                            event_type,
+                            source,
+                            content_type,
+                            payload,
+                            headers,
+                        ) in wal_codec.decode(msg.content):
+                            stream = streams[hash(key) % n_streams if key else 0]
+                            # The claimed-row layout the publisher takes (relay/store.py);
+                            # id, lane, attempts and fingerprint only matter if it goes to
+                            # the failed table (set then).
+                            stream.rows.append(
+                                (
+                                    0,
+                                    0,
+                                    topic,
+                                    key,
+                                    payload,
+                                    event_id,
+                                    event_type,
+                                    source,
+                                    content_type,
+                                    headers,
+                                    ce_time,
+                                    0,
+                                    b"",
+                                )
+                            )
+                            if payload is not None:
+                                stream.bytes += len(payload)
+                            if len(stream.rows) >= batch_size or stream.bytes >= batch_bytes:
+                                await self._hand_over(stream, stopping, ws, streams, marks)
+                    except wal_codec.WalMessageInvalid as exc:
+                        raise _unreadable(exc, msg.lsn) from None
+                elif kind == begin_kind:
+                    begin = pgoutput.begin(item)
+                    in_txn, gated = True, False
+                    ce_time = begin.commit_time
+                    if oldest is None:
+                        oldest = begin.committed_at
+                    if self._oldest is None:
+                        self._oldest = begin.committed_at
+                elif kind == commit_kind:
+                    safe = pgoutput.commit(item).end_lsn
+                    in_txn = False
+                    now = self._last_commit_at = loop.time()
+                    if records >= mark_every or now - marked_at >= MARK_SECONDS:
+                        # A stream that keeps coming seldom leaves the buffer empty.
+                        marks.append(_Mark(safe, self._needs(streams), oldest))
+                        marked, records, oldest, marked_at = safe, 0, None, now
+                        self._confirm(ws, streams, marks)
         finally:
-            # An error or a cancel: nothing left running.
-            for task in [*checkpoints, *(st.sending for st in streams if st.sending)]:
-                task.cancel()
-        read = loop.time()
-        await self._advance(conn, safe)
-        if not self._cut:
-            self._oldest = None  # caught up with what the read held
-        if events:
-            log.debug(
-                "read %d events in %.3f s (decoding until the first record %.3f s, advance %.3f s)",
-                events,
-                read - started,
-                peeked - started,
-                loop.time() - read,
-            )
-        return events > 0
+            stop_wait.cancel()
+            if safe > marked:  # confirmed once settled (by _read, before the stream ends)
+                marks.append(_Mark(safe, self._needs(streams), oldest))
 
     @staticmethod
-    def _events(msg: pgoutput.Message) -> Iterator[wal_codec.WalEvent]:
-        """The events of an outbox message; one that cannot be read stops the relay with
-        where it is (the slot stays before it: skipping it would lose its events)."""
-        try:
-            yield from wal_codec.decode(msg.content)
-        except wal_codec.WalMessageInvalid as exc:
-            raise wal_codec.WalMessageInvalid(
-                f"{exc} (message at LSN {lsn_text(msg.lsn)}; to skip it and lose what it "
-                "carries, advance the slot past its transaction with "
-                "pg_replication_slot_advance)"
-            ) from None
+    def _needs(streams: list[_Stream]) -> tuple[int, ...]:
+        """Per stream, the batches to settle before what was read so far is: those
+        handed over, and the one filling."""
+        return tuple(st.handed + (1 if st.rows else 0) for st in streams)
 
-    async def _hand_over(self, stream: _Stream, stopping: asyncio.Event) -> None:
-        """Publish ``stream``'s filled batch once its previous one is settled."""
+    def _nudge(self) -> None:
+        """Wake the read loop's idle wait: a batch settled, or stopping."""
+        if self._wake is not None and not self._wake.done():
+            self._wake.set_result(None)
+
+    def _confirm(
+        self, ws: WalStream, streams: list[_Stream], marks: deque[_Mark], force: bool = False
+    ) -> None:
+        """Confirm the furthest mark whose batches are all settled; a status update goes
+        to the server when the position moved, when it asked for one, or now and then."""
+        lsn = None
+        while marks and all(st.done >= n for st, n in zip(streams, marks[0].needs, strict=True)):
+            lsn = marks.popleft().lsn
+        if lsn is not None and lsn > (self.confirmed or 0):
+            self.confirmed = lsn
+            self._oldest = marks[0].oldest if marks else None
+            ws.confirm(lsn)
+        elif force or ws.reply_requested or time.monotonic() - ws.sent_at >= STATUS_SECONDS:
+            ws.confirm(self.confirmed or 0)
+
+    async def _heartbeat(self) -> None:
+        """A transactional message in a transaction of its own, on the SQL connection: its
+        commit comes through the stream as a position to confirm (an idle slot moves)."""
+        assert self._conn is not None
+        await self._conn.execute(self._store.heartbeat, {"prefix": self._heartbeat_prefix})
+        self._last_commit_at = asyncio.get_running_loop().time()
+
+    async def _hand_over(
+        self,
+        stream: _Stream,
+        stopping: asyncio.Event,
+        ws: WalStream,
+        streams: list[_Stream],
+        marks: deque[_Mark],
+    ) -> None:
+        """Publish ``stream``'s filled batch once its previous one is settled, confirming
+        what is settled meanwhile (and answering the server: Kafka may take long)."""
+        while not stream.free:
+            assert stream.sending is not None
+            await asyncio.wait([stream.sending], timeout=STATUS_SECONDS / 2)
+            self._confirm(ws, streams, marks)
         await stream.settled()
         rows, stream.rows, stream.bytes = stream.rows, [], 0
-        stream.sending = asyncio.ensure_future(self._settle(rows, stopping))
+        stream.handed += 1
+        stream.sending = asyncio.ensure_future(
+            self._settle_batch(stream, stream.handed, rows, stopping)
+        )
         stream.sending.add_done_callback(_observed)
 
-    async def _flush(self, streams: list[_Stream], stopping: asyncio.Event) -> None:
-        for stream in streams:
-            if stream.rows:
-                await self._hand_over(stream, stopping)
-        for stream in streams:
-            await stream.settled()
-
-    async def _checkpoint(
-        self, streams: list[_Stream], lsn: int, stopping: asyncio.Event
-    ) -> asyncio.Task[None]:
-        """Within a large read, confirm ``lsn`` in the background once every event read
-        before it is settled (so a crash re-sends less), without holding up the read:
-        every stream's events so far are handed over, and the advance waits for the last
-        batch of each (a stream's batches settle in order) on the side connection."""
-        for stream in streams:
-            if stream.rows:
-                await self._hand_over(stream, stopping)
-        last = [st.sending for st in streams if st.sending is not None]
-
-        async def advance() -> None:
-            await asyncio.gather(*last)
-            await self._advance(await self._side_conn(), lsn)
-
-        task = asyncio.ensure_future(advance())
-        task.add_done_callback(_observed)
-        return task
-
-    async def _advance(
-        self, conn: psycopg.AsyncConnection[tuple[Any, ...]], lsn: int | None
+    async def _settle_batch(
+        self, stream: _Stream, number: int, rows: list[ClaimedRow], stopping: asyncio.Event
     ) -> None:
-        """Confirm ``lsn`` (everything before it is settled), unless stopping cut a
-        publish short: then nothing more is confirmed and the next reader sends the rest."""
-        if lsn is None or self._cut or (self.confirmed is not None and lsn <= self.confirmed):
-            return
-        await conn.execute(
-            self._store.advance, {"slot": self._settings.wal.slot, "lsn": lsn_text(lsn)}
-        )
-        self.confirmed = max(lsn, self.confirmed or 0)
+        """Settle the stream's batch ``number``; it counts as done only if every batch
+        before it is (one given up on stopping leaves the count there)."""
+        try:
+            if await self._settle(rows, stopping) and stream.done == number - 1:
+                stream.done = number
+        finally:
+            self._nudge()
 
-    async def _settle(self, rows: list[ClaimedRow], stopping: asyncio.Event) -> None:
+    async def _settle(self, rows: list[ClaimedRow], stopping: asyncio.Event) -> bool:
         """Publish ``rows`` until every event is acknowledged or moved to the failed table
         (committed before the slot can move past it); with ``stopping`` set it may give up
-        early (nothing is confirmed then)."""
+        early (False: nothing is confirmed then)."""
         todo = list(range(len(rows)))
         alone = False
         while todo:
             if stopping.is_set():
-                self._cut = True
-                return
+                return False
             sent = [rows[i] for i in todo]
             failed = await self._send(sent, alone)
             retry: list[int] = []
@@ -497,6 +608,7 @@ class WalSource:
         if self._attempts:
             for row in rows:
                 self._attempts.pop(row[CE_ID], None)
+        return True
 
     async def _send(self, rows: list[ClaimedRow], alone: bool) -> dict[int, Exception]:
         """Publish ``rows`` (in one call, or one by one in order); what failed, by index."""

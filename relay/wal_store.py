@@ -1,9 +1,8 @@
 """The WAL source's SQL (``source = "wal"``), in one place; relay/wal_source.py runs it.
 
-Everything goes over a plain SQL session (psycopg 3 has no replication protocol): the slot
-is read with ``pg_logical_slot_peek_binary_changes`` through pgoutput (which decodes
-logical messages when asked with ``messages``), and confirmed with
-``pg_replication_slot_advance`` once Kafka has acknowledged everything below the target.
+The slot itself is streamed over the replication protocol (relay/wal_stream.py: its one
+command, ``START_REPLICATION``, is built there); everything else — the reader lock, the
+heartbeat, the outbox-table check when switching, the failed table — is plain SQL here.
 """
 
 from __future__ import annotations
@@ -46,18 +45,10 @@ class WalStore:
             sql.Literal(ns), sql.Literal(key)
         )
 
-    @cached_property
-    def peek(self) -> sql.Composed:
-        """Up to ``n`` changes from the slot's confirmed position (params: slot, n); whole
-        transactions: pgoutput hands over a transaction at its commit, so one transaction
-        larger than ``n`` comes in full (read it through a cursor, in pieces)."""
-        return sql.SQL(
-            "SELECT data FROM pg_logical_slot_peek_binary_changes(%(slot)s, NULL, %(n)s,"
-            " 'proto_version', '1', 'publication_names', {pub}, 'messages', 'true')"
-        ).format(pub=sql.Literal(self.settings.wal.publication))
-
-    # Params: slot, lsn (text).
-    advance = "SELECT pg_replication_slot_advance(%(slot)s, %(lsn)s::pg_lsn)"
+    # Whether this role may stream a slot, and its name.
+    may_replicate = (
+        "SELECT rolsuper OR rolreplication, rolname FROM pg_roles WHERE rolname = current_user"
+    )
 
     # Params: prefix. A transactional message in a transaction of its own: its commit is a
     # position the relay may confirm, so an idle slot keeps moving (a non-transactional one

@@ -13,7 +13,8 @@ heartbeats and lane coverage; clock skew between this host and the database; wha
 database URL goes through (PostgreSQL itself, or a pooler in session or transaction mode)
 and which components may use it; in WAL mode (or when its slot exists) the WAL source:
 ``wal_level``, the slot and its ``wal_status``, how much more WAL it may hold back, the
-publication, whether a relay reads it (outbox/ops/wal_health.py).
+publication, whether a relay reads it (outbox/ops/wal_health.py), and whether the relay's
+URL admits the replication connection it streams the slot over.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from typing import Any
 
+import psycopg
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from sqlalchemy import Connection, Index
@@ -33,8 +35,8 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from sqlalchemy.schema import CreateIndex
 
 from outbox import migrate
-from outbox.db import translated_errors
-from outbox.errors import OutboxError
+from outbox.db import describe, replication_connection, translated_errors
+from outbox.errors import OutboxError, ReplicationRefused
 from outbox.ops.findings import Finding, Level
 from outbox.ops.kafka_probe import KafkaProbe
 from outbox.ops.lag import default_stale_after
@@ -268,6 +270,29 @@ class _Doctor:
         state = await conn.run_sync(lambda sync: read_state(sync, self.settings))
         if self.settings.source == "wal" or state.slot is not None:
             self.findings += wal_findings(state, self.settings)
+
+    async def wal_stream(self) -> None:
+        """In WAL mode, whether the relay's URL admits the replication connection it
+        streams the slot over (a pooler in front, or a role without REPLICATION, does not)."""
+        if self.settings.source != "wal":
+            return
+        relay = self.settings.for_relay()
+        try:
+            conn = await replication_connection(relay, "outbox-doctor")
+        except ReplicationRefused as exc:
+            action = (
+                "point OUTBOX_RELAY__DATABASE_URL at PostgreSQL itself, and grant the relay's "
+                "role REPLICATION (`outbox wal setup --print-sql --role ROLE`)"
+            )
+            self.add("wal_stream", "error", str(exc), action, url=relay.safe_database_url)
+            return
+        except psycopg.Error as exc:
+            what = f"the relay's replication connection could not be opened: {describe(exc)[1]}"
+            self.add("wal_stream", "warn", what, url=relay.safe_database_url)
+            return
+        await conn.close()
+        what = "the relay's URL admits the replication connection it streams the slot over"
+        self.add("wal_stream", "ok", what, url=relay.safe_database_url)
 
     def wal_switch(self, pending: int) -> None:
         """In WAL mode, rows left in the outbox table come first: the WAL relay publishes
@@ -657,6 +682,7 @@ async def diagnose(
                 await doctor.tls(conn)
                 await doctor.idle_transactions(conn)
                 await doctor.wal(conn)
+                await doctor.wal_stream()
                 if have_tables:
                     pending = int((await conn.execute(doctor.store.pending_total)).scalar_one())
                     doctor.wal_switch(pending)

@@ -4,16 +4,15 @@ the SQL for an administrator (exit 2, one line, no traceback), and that SQL work
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Iterator
 
 import psycopg
 import pytest
-from pydantic import SecretStr
 from sqlalchemy.engine import make_url
 
 from outbox.settings import OutboxSettings
 from tests.acceptance.conftest import Cli
+from tests.support.wal import login_role
 from tests.support.wal_slots import wal_names
 
 pytestmark = pytest.mark.acceptance
@@ -93,23 +92,9 @@ def test_a_slot_of_that_name_that_is_not_logical_is_refused(ws: OutboxSettings) 
 @pytest.fixture
 def restricted(ws: OutboxSettings) -> Iterator[OutboxSettings]:
     """``ws`` logging in as a fresh role with LOGIN only: no REPLICATION, no CREATE on
-    the database (PostgreSQL 15 grants neither to PUBLIC)."""
-    role = f"walsetup_{uuid.uuid4().hex[:8]}"
-    password = uuid.uuid4().hex
-    with psycopg.connect(ws.libpq_dsn, autocommit=True) as conn:
-        conn.execute(
-            psycopg.sql.SQL("CREATE ROLE {} LOGIN PASSWORD {}").format(
-                psycopg.sql.Identifier(role), psycopg.sql.Literal(password)
-            )
-        )
-    url = make_url(ws.database_url.get_secret_value()).set(username=role, password=password)
-    try:
-        yield ws.model_copy(
-            update={"database_url": SecretStr(url.render_as_string(hide_password=False))}
-        )
-    finally:
-        with psycopg.connect(ws.libpq_dsn, autocommit=True) as conn:
-            conn.execute(psycopg.sql.SQL("DROP ROLE {}").format(psycopg.sql.Identifier(role)))
+    the database."""
+    with login_role(ws) as own:
+        yield own
 
 
 def test_a_role_without_replication_gets_the_sql_an_admin_runs(

@@ -12,7 +12,7 @@ import re
 import threading
 import time
 import urllib.request
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
@@ -22,6 +22,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from outbox import TOMBSTONE, Message, Outbox, UnsupportedInWalMode
 from outbox.settings import OutboxSettings
 from outbox.tables import build_tables
+from relay.wal_store import lsn_int
 from tests.support.kafka import create_topic, free_port
 from tests.support.relay import (
     RelayProcess,
@@ -33,19 +34,18 @@ from tests.support.relay import (
     relay_env,
     verdict,
 )
-from tests.support.wal import confirmed_lsn, drop_slot, wal_env, wal_source
+from tests.support.wal import confirmed_lsn, drop_slot, slot_reader, wait_until, wal_relay_env
 
 pytestmark = pytest.mark.integration
 
 
 @pytest.fixture
-def settings(isolated_settings: OutboxSettings) -> Iterator[OutboxSettings]:
-    with wal_source(isolated_settings) as own:
-        yield own
+def settings(wal_settings: OutboxSettings) -> OutboxSettings:
+    return wal_settings
 
 
 def _env(settings: OutboxSettings, **extra: str) -> dict[str, str]:
-    return relay_env(settings, **wal_env(settings), **extra)
+    return wal_relay_env(settings, **extra)
 
 
 def _metrics_when(port: int, wanted: Callable[[list[str]], bool], timeout: float = 30) -> None:
@@ -59,28 +59,7 @@ def _metrics_when(port: int, wanted: Callable[[list[str]], bool], timeout: float
             found = answer.read().decode().splitlines()
         return wanted(found)
 
-    assert _wait_for(shows, timeout), found
-
-
-def _settled_lsn(settings: OutboxSettings, quiet: float = 1.0, timeout: float = 30) -> str | None:
-    """The slot's confirmed LSN once it has not moved for ``quiet`` seconds."""
-    deadline = time.monotonic() + timeout
-    last, since = confirmed_lsn(settings), time.monotonic()
-    while time.monotonic() - since < quiet and time.monotonic() < deadline:
-        time.sleep(0.1)
-        now = confirmed_lsn(settings)
-        if now != last:
-            last, since = now, time.monotonic()
-    return last
-
-
-def _wait_for(what: Callable[[], bool], timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while not what():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.1)
-    return True
+    assert wait_until(shows, timeout), found
 
 
 async def test_round_trip_in_key_order_with_every_envelope_field(
@@ -215,7 +194,7 @@ async def test_sigkilled_readers_lose_nothing_and_a_standby_takes_over(
             others = [r for r in relays if r is not victim]
             relays[relays.index(victim)] = RelayProcess(env, tmp_path, f"r-{kills}")
             # A standby takes over (not the relay started in the victim's place).
-            if await asyncio.to_thread(_wait_for, lambda o=others: reader(o) is not None, 30):
+            if await asyncio.to_thread(wait_until, lambda o=others: reader(o) is not None, 30):
                 takeovers += 1
         producer.join()
         records = await read_ids(settings.kafka_bootstrap_servers, topic, ids, 120)
@@ -263,7 +242,9 @@ async def test_a_refused_event_goes_to_the_failed_table_and_the_slot_moves_on(
     try:
         records = await read_ids(kafka_bootstrap, topic, [str(before[0]), str(before[2])])
         failed = build_tables(settings).failed
-        found = await asyncio.to_thread(_wait_for, lambda: _count(engine, failed.fullname) == 1, 60)
+        found = await asyncio.to_thread(
+            wait_until, lambda: _count(engine, failed.fullname) == 1, 60
+        )
         assert found, relay.log()[-3000:]
         with engine.connect() as conn:
             row = conn.execute(
@@ -279,7 +260,7 @@ async def test_a_refused_event_goes_to_the_failed_table_and_the_slot_moves_on(
         retried = await asyncio.to_thread(outbox_cli, "failed", "retry", "--all", env=env)
         assert retried.returncode == 0 and "requeued 1" in retried.stdout, retried
         again = await asyncio.to_thread(
-            _wait_for, lambda: relay.log().count("moved to failed") == 2, 60
+            wait_until, lambda: relay.log().count("moved to failed") == 2, 60
         )
         assert again, relay.log()[-3000:]
         assert _count(engine, build_tables(settings).events.fullname) == 0
@@ -310,18 +291,24 @@ async def test_a_slot_dropped_under_the_relay_stops_it_with_exit_2_and_one_line(
     relay = RelayProcess(_env(settings, OUTBOX_WAL__HEARTBEAT_SECONDS="3600"), tmp_path, "wal")
     try:
         await read_ids(settings.kafka_bootstrap_servers, topic, ids)
-        # The slot is confirmed just after Kafka's acks: wait for it to stay put.
-        lsn = await asyncio.to_thread(_settled_lsn, settings)
-        await asyncio.to_thread(drop_slot, settings, 30)
+        lsn = confirmed_lsn(settings)
+        assert lsn is not None
+        # The relay streams the slot (it is active): ending its session is the only way
+        # to drop it, as an administrator would.
+        await asyncio.to_thread(drop_slot, settings, 0)
         code = await asyncio.to_thread(relay.proc.wait, 60)
     finally:
         relay.kill()
     lines = [line for line in relay.log().splitlines() if "may be lost" in line]
     assert code == 2, relay.log()[-3000:]
     assert len(lines) == 1, relay.log()[-3000:]
-    assert f"since LSN {lsn}" in lines[0] and "outbox wal setup" in lines[0]
-    # Read under the relay: undefined_object. Or the drop first cut the reader's session
-    # (object_in_use, a transient error) and the slot was gone when it came back.
+    assert "outbox wal setup" in lines[0]
+    # Where it had confirmed to: at least what every event read needed (it may have
+    # confirmed the server's keepalive positions since: an idle slot moves).
+    since = re.search(r"since LSN (\S+);", lines[0])
+    assert since is not None and lsn_int(since[1]) >= lsn_int(lsn), lines[0]
+    # Cut under the relay and gone when it came back; or gone under START_REPLICATION
+    # (undefined_object).
     assert "SQLSTATE 42704" in lines[0] or "dropped while the relay was reconnecting" in lines[0]
     assert "Traceback" not in relay.log()
 
@@ -346,9 +333,9 @@ async def test_a_50000_event_transaction_drains_with_bounded_relay_memory(
     new_topic: Callable[..., Awaitable[str]],
     tmp_path: Path,
 ) -> None:
-    # 50,000 events of ~4 KB (~200 MB) committed in ONE transaction: pgoutput hands the
-    # transaction over whole, so the relay reads it through its cursor a batch's worth of
-    # bytes at a time, and its streams hold at most two batches each.
+    # 50,000 events of ~4 KB (~200 MB) committed in ONE transaction: pgoutput sends the
+    # transaction whole at its commit; the relay's streams hold at most two batches each
+    # and the server waits for the relay meanwhile (the stream's flow control).
     topic = await new_topic(partitions=6)
     ob = Outbox(settings)
     pad = "p" * 4000
@@ -415,31 +402,27 @@ async def test_switching_from_table_to_wal_under_a_stream_keeps_every_key_in_ord
     assert (v.lost, v.out_of_order, v.unexpected) == (0, 0, 0), v
 
 
-async def test_an_idle_slot_keeps_advancing_through_heartbeats(
-    engine: Engine, settings: OutboxSettings, tmp_path: Path
+@pytest.mark.parametrize("heartbeat", ["0.5", "3600"], ids=["heartbeats", "keepalives"])
+async def test_an_idle_slot_keeps_advancing(
+    engine: Engine, settings: OutboxSettings, tmp_path: Path, heartbeat: str
 ) -> None:
-    # No event at all, only other writes: without the relay's transactional heartbeat the
-    # slot would have no commit to confirm and would hold all that WAL.
-    env = _env(settings, OUTBOX_WAL__HEARTBEAT_SECONDS="0.5")
+    # No event at all, only other writes: the slot still moves past them, through the
+    # relay's transactional heartbeats (a commit to confirm), or with heartbeats off (an
+    # hour) through the WAL end of the server's keepalives, confirmed between transactions.
+    env = _env(settings, OUTBOX_WAL__HEARTBEAT_SECONDS=heartbeat)
     relay = RelayProcess(env, tmp_path, "idle")
     try:
+        assert await asyncio.to_thread(wait_until, lambda: slot_reader(settings) is not None, 30)
         with engine.begin() as conn:
-            conn.execute(text("CREATE TEMP TABLE busy AS SELECT generate_series(1, 1000) g"))
+            busy = "CREATE TEMP TABLE busy ON COMMIT DROP AS SELECT generate_series(1, 1000) g"
+            conn.execute(text(busy))
             now = str(conn.execute(text("SELECT pg_current_wal_lsn()::text")).scalar_one())
 
         def past_now() -> bool:
-            with engine.connect() as conn:
-                return bool(
-                    conn.execute(
-                        text(
-                            "SELECT confirmed_flush_lsn >= CAST(:now AS pg_lsn)"
-                            " FROM pg_replication_slots WHERE slot_name = :slot"
-                        ),
-                        {"now": now, "slot": settings.wal.slot},
-                    ).scalar_one()
-                )
+            lsn = confirmed_lsn(settings)
+            return lsn is not None and lsn_int(lsn) >= lsn_int(now)
 
-        moved = await asyncio.to_thread(_wait_for, past_now, 30)
+        moved = await asyncio.to_thread(wait_until, past_now, 60)
         assert moved, relay.log()[-3000:]
         assert relay.alive()
     finally:

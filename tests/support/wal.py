@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import psycopg
+from pydantic import SecretStr
+from sqlalchemy.engine import make_url
 
 from outbox.settings import OutboxSettings
 
@@ -53,6 +55,48 @@ def drop_slot(settings: OutboxSettings, wait: float) -> None:
                 if time.monotonic() > deadline:
                     conn.execute("SELECT pg_terminate_backend(%s)", [row[0]])
                 time.sleep(0.01)
+
+
+@contextmanager
+def login_role(settings: OutboxSettings) -> Iterator[OutboxSettings]:
+    """``settings`` logging in as a fresh role with LOGIN only: no REPLICATION, no CREATE
+    on the database (PostgreSQL 15 grants neither to PUBLIC); dropped afterwards."""
+    role = f"walrole_{uuid.uuid4().hex[:8]}"
+    password = uuid.uuid4().hex
+    with _admin(settings) as conn:
+        conn.execute(
+            psycopg.sql.SQL("CREATE ROLE {} LOGIN PASSWORD {}").format(
+                psycopg.sql.Identifier(role), psycopg.sql.Literal(password)
+            )
+        )
+    url = make_url(settings.database_url.get_secret_value()).set(username=role, password=password)
+    try:
+        yield settings.model_copy(
+            update={"database_url": SecretStr(url.render_as_string(hide_password=False))}
+        )
+    finally:
+        with _admin(settings) as conn:
+            conn.execute(psycopg.sql.SQL("DROP ROLE {}").format(psycopg.sql.Identifier(role)))
+
+
+def wait_until(what: Callable[[], bool], timeout: float) -> bool:
+    """Whether ``what()`` became true within ``timeout`` seconds (asked every 0.1 s)."""
+    deadline = time.monotonic() + timeout
+    while not what():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+def slot_reader(settings: OutboxSettings) -> int | None:
+    """The pid of the session streaming the slot, if any."""
+    with _admin(settings) as conn:
+        row = conn.execute(
+            "SELECT active_pid FROM pg_replication_slots WHERE slot_name = %s",
+            [settings.wal.slot],
+        ).fetchone()
+    return None if row is None or row[0] is None else int(str(row[0]))
 
 
 def confirmed_lsn(settings: OutboxSettings) -> str | None:
