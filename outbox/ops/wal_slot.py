@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
@@ -100,8 +101,16 @@ class SlotState:
     retained_bytes: int | None  # WAL kept for the slot (from restart_lsn)
     unconfirmed_bytes: int | None  # WAL not yet confirmed by the relay
 
+    @property
+    def being_created(self) -> bool:
+        """A logical slot another session is creating: PostgreSQL shows it before it has
+        written the output plugin's name (the creation waits for open transactions)."""
+        return self.slot_type == "logical" and not self.plugin
+
     def mismatch(self, database: str) -> str | None:
         """Why this slot cannot serve the WAL source of ``database``, or None."""
+        if self.being_created:
+            return "is being created by another session (it has no output plugin yet)"
         if self.slot_type != "logical":
             return f"is a {self.slot_type} slot, not a logical one"
         if self.plugin != PLUGIN:
@@ -220,24 +229,51 @@ def ensure_on(
     wal = settings.wal
     # The SQL an admin runs: ALTER ROLE only for a role that lacks REPLICATION itself.
     admin = setup_sql(settings, server.database, None if server.may_replicate else server.user)
-    slot = read_slot(conn, wal.slot)
-    if slot is not None and (why := slot.mismatch(server.database)):
-        raise WalSlotMismatch(
-            f"replication slot {wal.slot!r} {why}; choose another name (OUTBOX_WAL__SLOT) "
-            "or drop that slot"
-        )
+    slot = _settled_slot(conn, wal.slot, tell)
+    _check_slot(slot, wal.slot, server.database)
     publication_created = False
     if not _publication_exists(conn, wal.publication):
         publication_created = _create_publication(conn, wal.publication, server, admin)
         if publication_created:
             tell(f"created publication {wal.publication}")
     slot_lsn = None
-    if slot is None:
+    while slot is None:
         tell(f"creating replication slot {wal.slot} (waits for the transactions open now)")
         slot_lsn = _create_slot(conn, wal.slot, server, admin)
         if slot_lsn is not None:
             tell(f"created replication slot {wal.slot} at LSN {slot_lsn}")
+            break
+        # A concurrent set-up got there first: return once its slot is ready, or try
+        # again if its creation failed (PostgreSQL then drops the half-made slot).
+        slot = _settled_slot(conn, wal.slot, tell)
+        _check_slot(slot, wal.slot, server.database)
     return SetupResult(publication_created, slot_lsn is not None, slot_lsn, server)
+
+
+def _check_slot(slot: SlotState | None, name: str, database: str) -> None:
+    if slot is not None and (why := slot.mismatch(database)):
+        raise WalSlotMismatch(
+            f"replication slot {name!r} {why}; choose another name (OUTBOX_WAL__SLOT) "
+            "or drop that slot"
+        )
+
+
+def _settled_slot(conn: Connection, name: str, tell: Callable[[str], None]) -> SlotState | None:
+    """The slot, once no other session is creating it: a concurrent set-up's slot is
+    waited for (its creation waits for the transactions open then), so that it is neither
+    taken for a foreign slot nor reported ready before it is. None when the slot does not
+    exist, or its creation failed and PostgreSQL dropped it."""
+    slot = read_slot(conn, name)
+    if slot is not None and slot.being_created:
+        tell(f"replication slot {name} is being created by another session; waiting for it")
+        while slot is not None and slot.being_created:
+            time.sleep(_CREATION_POLL_S)
+            slot = read_slot(conn, name)
+    return slot
+
+
+# How often a slot another session is creating is looked at again.
+_CREATION_POLL_S = 0.1
 
 
 def ensure(settings: OutboxSettings, progress: Callable[[str], None] | None = None) -> SetupResult:
