@@ -110,6 +110,16 @@ def _slot_findings(add: _Add, slot: SlotState, state: WalState, settings: Outbox
         "confirmed_flush_lsn": slot.confirmed_flush_lsn,
         "max_slot_wal_keep_size": server.max_slot_wal_keep_size,
     }
+    if slot.being_created:
+        add(
+            "wal_slot",
+            "warn",
+            f"replication slot {name} is being created by another session (it has no output "
+            "plugin yet; the creation waits for the transactions open when it began)",
+            "run doctor again once `outbox wal setup` has finished",
+            **details,
+        )
+        return
     why = slot.mismatch(server.database)
     if why is not None:
         add(

@@ -106,6 +106,17 @@ def test_a_slot_that_is_not_this_databases_pgoutput_slot_is_an_error(
     assert level == "error" and why in what
 
 
+@pytest.mark.parametrize("plugin", ["", None])
+def test_a_slot_another_session_is_creating_is_a_warning_not_a_foreign_slot(
+    plugin: str | None,
+) -> None:
+    # PostgreSQL lists a logical slot before its creation has written the plugin's name.
+    slot = replace(SLOT, plugin=plugin, active=True, active_pid=4242)
+    assert slot.being_created and not SLOT.being_created
+    level, what, action = by_check(state(slot))["wal_slot"]
+    assert level == "warn" and "being created" in what and "doctor again" in action
+
+
 def test_a_slot_left_behind_in_table_mode_is_a_warning() -> None:
     level, what, action = by_check(state(), OutboxSettings(source="table"))["wal_slot"]
     assert level == "warn" and "nobody reads it" in what and "pg_drop_replication_slot" in action
