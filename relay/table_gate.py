@@ -19,8 +19,8 @@ The oldest unpublished row's time is read once and reused for every transaction 
 committed before that read (``statement_timestamp()``): a row committed before such a
 transaction was committed before the read too, so the read saw it (unless it was
 published since, which only makes the answer more careful). A transaction committed after
-the read asks again. Read over SQL, a whole read of the slot committed before it began, so
-this costs one statement per read; streaming, one per received run of transactions.
+the read asks again: one statement per received run of transactions, about one per
+transaction at a trickle.
 """
 
 from __future__ import annotations
