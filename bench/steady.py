@@ -185,7 +185,10 @@ CONSUMER_STAGES: list[Stage] = [
             "InboxStore.arm_markers InboxStore.set_marker InboxStore.disarm_marker "
             "InboxStore.marker",
         ),
-        ("handler: its INSERT through the AsyncSession", "Handler.__call__"),
+        (
+            "handler: its INSERT through the AsyncSession (per event, or one per list)",
+            "Handler.__call__ Handler.call_batch",
+        ),
         (
             "COMMIT (through the session)",
             "AsyncSession.flush AsyncSession.commit AsyncSessionTransaction.__aexit__ _commit",
@@ -197,6 +200,7 @@ CONSUMER_STAGES: list[Stage] = [
             "Connections.take Connections.give",
         ),
         ("per event: dispatch, metrics, tracing", "PartitionProcessor._run_handler"),
+        ("per list: stale checks, metrics, tracing", "PartitionProcessor._run_batch"),
         (
             "scheduling (lanes, the sharer, shared-transaction bookkeeping)",
             "_Lane.work _Lane.feed Lane.work Lane.feed ConsumerDaemon._share process_together "

@@ -50,7 +50,7 @@ from outbox.errors import (
     WalPrivilegeMissing,
     WalSlotMismatch,
 )
-from outbox.ops.store import WAL_SLOT
+from outbox.ops.store import WAL_MAY_REPLICATE, WAL_SLOT
 from outbox.ops.wal_health import WalGauges
 from outbox.ops.wal_slot import SlotState, setup_sql
 from outbox.outages import Dependency
@@ -315,7 +315,7 @@ class WalSource:
 
     async def _check_role(self, conn: psycopg.AsyncConnection[tuple[Any, ...]]) -> None:
         """A role without REPLICATION cannot stream the slot: stop with the SQL to run."""
-        row = await (await conn.execute(self._store.may_replicate)).fetchone()
+        row = await (await conn.execute(WAL_MAY_REPLICATE)).fetchone()
         if row is not None and not row[0]:
             user = str(row[1])
             raise WalPrivilegeMissing(

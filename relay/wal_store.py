@@ -45,11 +45,6 @@ class WalStore:
             sql.Literal(ns), sql.Literal(key)
         )
 
-    # Whether this role may stream a slot, and its name.
-    may_replicate = (
-        "SELECT rolsuper OR rolreplication, rolname FROM pg_roles WHERE rolname = current_user"
-    )
-
     # Params: prefix. A transactional message in a transaction of its own: its commit is a
     # position the relay may confirm, so an idle slot keeps moving (a non-transactional one
     # has no commit and would not).

@@ -147,16 +147,21 @@ _OWN_TLS = text(
 # Plain SQL with named parameters only (slot and publication names are values here; the
 # one statement that needs an identifier, CREATE PUBLICATION, is built by wal_slot with
 # the identifier quoted). The relay may run WAL_SLOT through psycopg with %(slot)s.
+# Whether this role may create, read and advance slots (superuser or REPLICATION), and
+# its name. The relay runs it through psycopg before streaming (relay/wal_source.py).
+WAL_MAY_REPLICATE = """
+    SELECT rolsuper OR rolreplication AS may_replicate, rolname AS "user"
+      FROM pg_roles WHERE rolname = current_user
+"""
 WAL_SETTINGS = text(
-    """
+    f"""
     SELECT current_setting('wal_level') AS wal_level,
            CASE current_setting('max_slot_wal_keep_size') WHEN '-1' THEN -1
                 ELSE pg_size_bytes(current_setting('max_slot_wal_keep_size')) END
              AS max_slot_wal_keep_size,
-           current_database() AS database, current_user AS "user",
-           (SELECT rolsuper OR rolreplication FROM pg_roles WHERE rolname = current_user)
-             AS may_replicate,
+           current_database() AS database, r."user", r.may_replicate,
            has_database_privilege(current_database(), 'CREATE') AS may_publish
+      FROM ({WAL_MAY_REPLICATE}) AS r
     """
 )
 
