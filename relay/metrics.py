@@ -100,6 +100,12 @@ class RelayMetrics:
             for name, text in WAL_GAUGES.items()
         }
         self.set_wal(WalGauges.of(None, None))
+        self.wal_held = Gauge(
+            "outbox_relay_wal_held_events",
+            "WAL source: events waiting in memory for partitions Kafka does not answer for "
+            "(with every later event of those partitions); the others keep flowing.",
+            registry=r,
+        )
         self.cursor_resets = Counter(
             "outbox_relay_claim_cursor_resets",
             "Lane cursors forgotten because a pending row appeared below one (a writer "
@@ -130,6 +136,7 @@ class RelayMetrics:
                 "wal_unconfirmed_bytes": value("outbox_relay_wal_unconfirmed_bytes"),
                 "wal_lag_seconds": round(value("outbox_relay_wal_lag_seconds"), 3),
                 "wal_slot_status": value("outbox_relay_wal_slot_status"),
+                "wal_held_events": value("outbox_relay_wal_held_events"),
             }
         return shared | {
             "pending": value("outbox_relay_pending_events"),

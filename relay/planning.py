@@ -63,6 +63,11 @@ def _common_headers(
     return headers
 
 
+def key_partition(parts: list[int], key: bytes) -> int:
+    """The partition of ``parts`` a keyed record goes to (Kafka's default partitioner)."""
+    return parts[int(murmur2(key) & 0x7FFFFFFF) % len(parts)]
+
+
 class BatchPlanner:
     def __init__(
         self, settings: OutboxSettings, health: PartitionHealth, pool: ProducerPool
@@ -115,7 +120,7 @@ class BatchPlanner:
         if p is None:
             if len(cache) > _KEY_CACHE_LIMIT:
                 cache.clear()
-            p = cache[key] = parts[(murmur2(key) & 0x7FFFFFFF) % len(parts)]
+            p = cache[key] = key_partition(parts, key)
         return p
 
     def topic_missing(self, topic: str) -> None:

@@ -65,6 +65,7 @@ from relay.publisher import Publisher
 from relay.store import CE_ID, EVENT_TYPE, KEY, PAYLOAD, TOPIC, ClaimedRow, RelayStore
 from relay.table_gate import TableGate
 from relay.waiting import sleep_unless
+from relay.wal_held import HeldPartitions
 from relay.wal_store import WalStore, lsn_int, lsn_text
 from relay.wal_stream import WalStream
 
@@ -112,10 +113,21 @@ class _Stream:
         self.sending: asyncio.Task[None] | None = None
         self.handed = 0  # batches handed over to publish
         self.done = 0  # of those, settled (acknowledged or moved to failed), in order
+        # Settled out of order: a batch whose events wait for a held partition
+        # (relay/wal_held.py) settles after the batches published after it.
+        self._later: set[int] = set()
 
     @property
     def free(self) -> bool:
         return self.sending is None or self.sending.done()
+
+    def settle(self, number: int) -> None:
+        """Batch ``number`` is settled; ``done`` counts those settled with every one
+        before them (a batch given up on stopping is never settled: the count stays)."""
+        self._later.add(number)
+        while self.done + 1 in self._later:
+            self.done += 1
+            self._later.discard(self.done)
 
     async def settled(self) -> None:
         """Until the batch being published is settled (its failure raised here)."""
@@ -174,12 +186,18 @@ class WalSource:
         self._gate = TableGate(self._store.table_oldest, self._side_conn)
         # Commit time (Unix) of the oldest transaction read but not confirmed yet, if any.
         self._oldest: float | None = None
+        self._stopping = asyncio.Event()  # run()'s
+        # Events of partitions Kafka does not answer for, while the others flow.
+        self._held = HeldPartitions(
+            self._settle_in_place, r.max_inflight_bytes, r.batch_size, self._nudge, metrics.wal_held
+        )
 
     @property
     def connected(self) -> bool:
         return self._conn is not None and not self._conn.closed
 
     async def run(self, stopping: asyncio.Event) -> None:
+        self._stopping = stopping
         loop = asyncio.get_running_loop()
         self._last_commit_at = loop.time()
         try:
@@ -377,6 +395,7 @@ class WalSource:
                 for stream in streams:
                     if stream.sending is not None:
                         stream.sending.cancel()
+                await self._held.close()
                 await ws.close()
 
     async def _stream(
@@ -408,6 +427,7 @@ class WalSource:
                 if item is None:
                     # Nothing more buffered: free streams publish what they hold, and
                     # what is read so far gets a mark.
+                    self._held.check()
                     for stream in streams:
                         if stream.free:
                             await stream.settled()  # a batch that failed raises here
@@ -546,6 +566,7 @@ class WalSource:
         while not stream.free:
             assert stream.sending is not None
             await asyncio.wait([stream.sending], timeout=STATUS_SECONDS / 2)
+            self._held.check()
             self._confirm(ws, streams, marks)
         await stream.settled()
         rows, stream.rows, stream.bytes = stream.rows, [], 0
@@ -558,19 +579,54 @@ class WalSource:
     async def _settle_batch(
         self, stream: _Stream, number: int, rows: list[ClaimedRow], stopping: asyncio.Event
     ) -> None:
-        """Settle the stream's batch ``number``; it counts as done only if every batch
-        before it is (one given up on stopping leaves the count there)."""
+        """Settle the stream's batch ``number``: at once, or, when some of its events are
+        held for an unavailable partition, once they are delivered."""
         try:
-            if await self._settle(rows, stopping) and stream.done == number - 1:
-                stream.done = number
+            held: list[asyncio.Future[Any]] = []
+            if not await self._settle(rows, stopping, held):
+                return
+            if not held:
+                stream.settle(number)
+                return
+            await self._held.room(stopping)  # held events stay within the memory bound
+
+            def settled(future: asyncio.Future[Any]) -> None:
+                if not future.cancelled() and future.exception() is None:
+                    stream.settle(number)
+                self._nudge()
+
+            asyncio.gather(*held).add_done_callback(settled)
         finally:
             self._nudge()
 
-    async def _settle(self, rows: list[ClaimedRow], stopping: asyncio.Event) -> bool:
+    async def _settle_in_place(self, rows: list[ClaimedRow]) -> bool:
+        """A held partition's events: retried in place, in order, until settled."""
+        return await self._settle(rows, self._stopping, None)
+
+    async def _settle(
+        self,
+        rows: list[ClaimedRow],
+        stopping: asyncio.Event,
+        held: list[asyncio.Future[Any]] | None,
+    ) -> bool:
         """Publish ``rows`` until every event is acknowledged or moved to the failed table
         (committed before the slot can move past it); with ``stopping`` set it may give up
-        early (False: nothing is confirmed then)."""
+        early (False: nothing is confirmed then). With ``held`` (a list), events of an
+        unavailable partition are held instead (relay/wal_held.py): the futures that say
+        when they are settled are added to it."""
         todo = list(range(len(rows)))
+        if held is not None and self._held:
+            # A held partition's later events queue behind it (per-key order).
+            routed: dict[tuple[str, int], list[ClaimedRow]] = {}
+            direct = []
+            for i in todo:
+                tp = self._held.route(rows[i])
+                if tp is None:
+                    direct.append(i)
+                else:
+                    routed.setdefault(tp, []).append(rows[i])
+            held.extend(self._held.hold(tp, queued, None) for tp, queued in routed.items())
+            todo = direct
         alone = False
         while todo:
             if stopping.is_set():
@@ -579,9 +635,17 @@ class WalSource:
             failed = await self._send(sent, alone)
             retry: list[int] = []
             dead: list[tuple[ClaimedRow, int, str]] = []
+            to_hold: dict[tuple[str, int], list[ClaimedRow]] = {}
             delay = 0.0
             for j, exc in sorted(failed.items()):
                 row = sent[j]
+                if (
+                    held is not None
+                    and isinstance(exc, PartitionUnavailable)
+                    and self._held.may_hold(row, exc.tp, self._partitions(exc.tp[0]))
+                ):
+                    to_hold.setdefault(exc.tp, []).append(row)
+                    continue
                 if isinstance(exc, RecordRejected):
                     # Kafka refuses a whole record batch for one record too large for the
                     # topic: from now on each is tried alone, so only that one fails.
@@ -602,6 +666,11 @@ class WalSource:
                 retry.append(todo[j])
             if dead:
                 await self._move_to_failed(dead)
+            if held is not None:
+                held.extend(
+                    self._held.hold(tp, queued, self._partitions(tp[0]))
+                    for tp, queued in to_hold.items()
+                )
             todo = retry
             if todo:
                 await sleep_unless(stopping, delay)
@@ -630,6 +699,10 @@ class WalSource:
                     failed.update(dict.fromkeys(range(j + 1, len(rows)), exc))
                     break
         return failed
+
+    def _partitions(self, topic: str) -> list[int] | None:
+        """``topic``'s partitions as the publisher last planned them."""
+        return self._publisher.planner.partitions.get(topic)
 
     def _record(self, outcome: Outcome, rows: int, seconds: float) -> None:
         # Not quiet: a stalled partition's rows wait in place here (the read waits for

@@ -43,6 +43,7 @@ from tests.support.cluster import FailoverWatch, KafkaCluster, PartitionInfo, bu
 from tests.support.cluster import kafka_cluster as kafka_cluster  # the fixture
 from tests.support.inbox import effects_table, subprocess_env
 from tests.support.relay import RelayProcess, publish_numbered, relay_env, wait_drained
+from tests.support.wal import wal_source
 
 pytestmark = pytest.mark.integration
 
@@ -159,7 +160,14 @@ class Daemons:
     def __init__(
         self, settings: OutboxSettings, topic: str, table: str, group: str, logs: Path
     ) -> None:
-        self.relay = RelayProcess(relay_env(settings), logs, "relay")
+        source = {}
+        if settings.source == "wal":
+            source = {
+                "OUTBOX_SOURCE": "wal",
+                "OUTBOX_WAL__SLOT": settings.wal.slot,
+                "OUTBOX_WAL__PUBLICATION": settings.wal.publication,
+            }
+        self.relay = RelayProcess(relay_env(settings, **source), logs, "relay")
         env = subprocess_env(
             settings, INBOX_TEST_CONSUMER=group, INBOX_TEST_TOPIC=topic, INBOX_TEST_EFFECTS=table
         )
@@ -371,22 +379,37 @@ async def test_a_crashed_broker_stalls_only_its_partitions(
     outcome.assert_timely()
 
 
+async def _hang_20s(cluster: KafkaCluster, hit: list[int]) -> None:
+    cluster.pause(hit[0])
+    try:
+        await asyncio.sleep(HANG_SECONDS)
+    finally:
+        cluster.resume(hit[0])
+
+
 async def test_a_hung_broker_stalls_only_its_partitions(
     kafka_cluster: KafkaCluster, engine: Engine, settings: OutboxSettings, tmp_path: Path
 ) -> None:
-    async def hang_20s(cluster: KafkaCluster, hit: list[int]) -> None:
-        cluster.pause(hit[0])
-        try:
-            await asyncio.sleep(HANG_SECONDS)
-        finally:
-            cluster.resume(hit[0])
-
     # The group's coordinator elsewhere: a coordinator that hangs and comes back answers
     # from its stale state for a moment and may make the member rejoin the group (one
     # rebalance, every partition paused a few seconds): docs/operations/kafka-failures.md.
     outcome = await _run(
-        kafka_cluster, engine, settings, tmp_path, hang_20s, coordinator_on_sick=False
+        kafka_cluster, engine, settings, tmp_path, _hang_20s, coordinator_on_sick=False
     )
+    assert (outcome.lost, outcome.duplicates, outcome.out_of_order) == (0, 0, 0), outcome.report()
+    outcome.assert_timely()
+
+
+async def test_wal_source_a_hung_broker_stalls_only_its_partitions(
+    kafka_cluster: KafkaCluster, engine: Engine, settings: OutboxSettings, tmp_path: Path
+) -> None:
+    # The WAL source reads one stream in commit order: the events of the hung broker's
+    # partitions wait in memory (relay/wal_held.py) while the others' keep flowing, and
+    # the slot is confirmed only up to the first of them.
+    with wal_source(settings) as wal:
+        outcome = await _run(
+            kafka_cluster, engine, wal, tmp_path, _hang_20s, coordinator_on_sick=False
+        )
     assert (outcome.lost, outcome.duplicates, outcome.out_of_order) == (0, 0, 0), outcome.report()
     outcome.assert_timely()
 

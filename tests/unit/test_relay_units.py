@@ -238,5 +238,10 @@ def test_the_status_line_names_the_figures_of_the_source_that_runs() -> None:
     table, wal = metrics.status("table"), metrics.status("wal")
     shared = {"published", "moved_to_failed", "kafka_up", "partitions_unavailable"}
     assert shared | {"pending", "oldest_age_seconds", "owned_lanes"} <= set(table)
-    assert set(wal) == shared | {"wal_unconfirmed_bytes", "wal_lag_seconds", "wal_slot_status"}
+    assert set(wal) == shared | {
+        "wal_unconfirmed_bytes",
+        "wal_lag_seconds",
+        "wal_slot_status",
+        "wal_held_events",
+    }
     assert wal["wal_lag_seconds"] == -1 and "pending" not in wal
