@@ -194,4 +194,5 @@ class HeldPartitions:
         self._parts.clear()
         self.bytes = 0
         self._full = False
+        self.failure = None  # the reading that would have raised it has ended
         self._gauge.set(0)

@@ -157,6 +157,19 @@ async def test_a_failure_publishing_held_events_is_raised_by_check() -> None:
     await h.close()
 
 
+async def test_a_failure_not_raised_before_close_is_not_raised_by_the_next_reading() -> None:
+    kafka = Kafka()
+    kafka.fail = RuntimeError("failed table unreachable")
+    h, _ = held(kafka)
+    h.hold((TOPIC, 0), [row(keys_in(0, 1)[0], 0)], PARTS)
+    kafka.answer.set()
+    for _ in range(10):
+        await asyncio.sleep(0)
+    assert h.failure is not None
+    await h.close()  # the reading ended for another reason first
+    h.check()
+
+
 async def test_close_cancels_what_is_still_held() -> None:
     kafka = Kafka()
     h, _ = held(kafka)
