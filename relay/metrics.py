@@ -103,7 +103,8 @@ class RelayMetrics:
         self.wal_held = Gauge(
             "outbox_relay_wal_held_events",
             "WAL source: events waiting in memory for partitions Kafka does not answer for "
-            "(with every later event of those partitions); the others keep flowing.",
+            "or topics that do not exist yet (with every later event of those); the others "
+            "keep flowing.",
             registry=r,
         )
         self.cursor_resets = Counter(

@@ -1,15 +1,18 @@
-"""The WAL source's events for a Kafka partition that does not answer, held in memory
-while the other partitions' events flow.
+"""The WAL source's events for a Kafka partition that does not answer, or a topic that does
+not exist yet, held in memory while the other partitions' events flow.
 
-The table source leaves a stalled partition's rows in the table and claims past them
-(relay/partitions.py). The WAL source reads one stream in commit order; without this, the
-batches waiting for a stalled partition would fill their streams and stop the reading for
+The table source leaves such rows in the table and claims past them (relay/partitions.py).
+The WAL source reads one stream in commit order; without this, the batches waiting for a
+stalled partition or a missing topic would fill their streams and stop the reading for
 every key. So the events of a partition Kafka calls unavailable (``PartitionUnavailable``)
-leave their batch for a queue of that partition, and the batch goes on without them.
+leave their batch for a queue of that partition, those of a missing topic
+(``TopicMissing``) for a queue of the whole topic (partition ``WHOLE_TOPIC``), and the
+batch goes on without them.
 
 Per-key order. A key always maps to one partition, so once a partition has a queue, every
 later event of that partition joins it (``route``, before its batch is published), behind
-the held ones, until the queue is empty. The queue is published in order by a task of its
+the held ones, until the queue is empty; once a topic has one, every later event of the
+topic does. The queue is published in order by a task of its
 own, one batch at a time, each retried in place until Kafka acknowledges it (or refuses an
 event for good: the failed table, as for any batch). Keyless events carry no order and are
 held like the others. The partitions a topic's keys map to are those of the moment its
@@ -46,6 +49,8 @@ TopicPartition = tuple[str, int]
 Settle = Callable[[list[ClaimedRow]], Awaitable[bool]]
 # How often a batch waiting for room looks again.
 ROOM_POLL_SECONDS = 0.05
+# The partition of a queue that holds a whole topic (one that does not exist yet).
+WHOLE_TOPIC = -1
 
 
 class _Queue:
@@ -79,12 +84,15 @@ class HeldPartitions:
         return bool(self._queues)
 
     def route(self, row: ClaimedRow) -> TopicPartition | None:
-        """The held partition ``row`` must queue behind, if its partition has a queue."""
+        """The queue ``row`` must join, if its topic or its partition has one."""
+        topic = row[TOPIC]
+        if (topic, WHOLE_TOPIC) in self._queues:
+            return topic, WHOLE_TOPIC
         key: bytes | None = row[KEY]
-        parts = self._parts.get(row[TOPIC])
+        parts = self._parts.get(topic)
         if key is None or parts is None:
             return None
-        tp = (row[TOPIC], key_partition(parts, key))
+        tp = (topic, key_partition(parts, key))
         return tp if tp in self._queues else None
 
     def may_hold(self, row: ClaimedRow, tp: TopicPartition, parts: list[int] | None) -> bool:
@@ -107,12 +115,21 @@ class HeldPartitions:
         queue = self._queues.get(tp)
         if queue is None:
             queue = self._queues[tp] = _Queue()
-            log.warning(
-                "Kafka partition %s[%d] does not answer: its events wait in memory while "
-                "the other partitions' go on; the slot is confirmed up to the first of them",
-                *tp,
-                extra={"topic": tp[0], "partition": tp[1]},
-            )
+            if tp[1] == WHOLE_TOPIC:  # the publisher said what to do (outbox topics ensure)
+                log.info(
+                    "events of Kafka topic %s wait in memory until it exists; the slot is "
+                    "confirmed up to the first of them",
+                    tp[0],
+                    extra={"topic": tp[0]},
+                )
+            else:
+                log.warning(
+                    "Kafka partition %s[%d] does not answer: its events wait in memory while "
+                    "the other partitions' go on; the slot is confirmed up to the first of "
+                    "them",
+                    *tp,
+                    extra={"topic": tp[0], "partition": tp[1]},
+                )
         futures = []
         for row in rows:
             future: asyncio.Future[None] = loop.create_future()
@@ -159,9 +176,10 @@ class HeldPartitions:
             del self._queues[tp]
             if all(topic != tp[0] for topic, _ in self._queues):
                 self._parts.pop(tp[0], None)  # a later hold sees the partitions of then
+            where = tp[0] if tp[1] == WHOLE_TOPIC else f"{tp[0]}[{tp[1]}]"
             log.info(
-                "Kafka partition %s[%d] answers again: its %d held events are delivered",
-                *tp,
+                "Kafka %s takes events again: its %d held events are delivered",
+                where,
                 queue.delivered,
                 extra={"topic": tp[0], "partition": tp[1]},
             )

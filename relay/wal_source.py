@@ -65,7 +65,7 @@ from relay.publisher import Publisher
 from relay.store import CE_ID, EVENT_TYPE, KEY, PAYLOAD, TOPIC, ClaimedRow, RelayStore
 from relay.table_gate import TableGate
 from relay.waiting import sleep_unless
-from relay.wal_held import HeldPartitions
+from relay.wal_held import WHOLE_TOPIC, HeldPartitions
 from relay.wal_store import WalStore, lsn_int, lsn_text
 from relay.wal_stream import WalStream
 
@@ -639,13 +639,11 @@ class WalSource:
             delay = 0.0
             for j, exc in sorted(failed.items()):
                 row = sent[j]
-                if (
-                    held is not None
-                    and isinstance(exc, PartitionUnavailable)
-                    and self._held.may_hold(row, exc.tp, self._partitions(exc.tp[0]))
-                ):
-                    to_hold.setdefault(exc.tp, []).append(row)
-                    continue
+                if held is not None:
+                    tp = self._to_hold(row, exc)
+                    if tp is not None:
+                        to_hold.setdefault(tp, []).append(row)
+                        continue
                 if isinstance(exc, RecordRejected):
                     # Kafka refuses a whole record batch for one record too large for the
                     # topic: from now on each is tried alone, so only that one fails.
@@ -699,6 +697,18 @@ class WalSource:
                     failed.update(dict.fromkeys(range(j + 1, len(rows)), exc))
                     break
         return failed
+
+    def _to_hold(self, row: ClaimedRow, exc: Exception) -> tuple[str, int] | None:
+        """The queue ``row`` goes to, refused with ``exc``, if it is held (relay/wal_held.py):
+        its partition's when Kafka does not answer for it, its topic's when the topic does
+        not exist. (A one-by-one publish refuses every row after a refusal with it: those of
+        other partitions or topics are retried in place.)"""
+        if isinstance(exc, PartitionUnavailable):
+            if self._held.may_hold(row, exc.tp, self._partitions(exc.tp[0])):
+                return exc.tp
+        elif isinstance(exc, TopicMissing) and row[TOPIC] == exc.topic:
+            return exc.topic, WHOLE_TOPIC
+        return None
 
     def _partitions(self, topic: str) -> list[int] | None:
         """``topic``'s partitions as the publisher last planned them."""

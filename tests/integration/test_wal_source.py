@@ -12,6 +12,7 @@ import re
 import threading
 import time
 import urllib.request
+import uuid
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -23,7 +24,7 @@ from outbox import TOMBSTONE, Message, Outbox, UnsupportedInWalMode
 from outbox.settings import OutboxSettings
 from outbox.tables import build_tables
 from relay.wal_store import lsn_int
-from tests.support.kafka import create_topic, free_port
+from tests.support.kafka import create_topic, free_port, read_all
 from tests.support.relay import (
     RelayProcess,
     outbox_cli,
@@ -427,3 +428,51 @@ async def test_an_idle_slot_keeps_advancing(
         assert relay.alive()
     finally:
         relay.kill()
+
+
+async def test_a_missing_topics_events_wait_while_other_topics_flow_then_go_in_order(
+    engine: Engine,
+    settings: OutboxSettings,
+    new_topic: Callable[..., Awaitable[str]],
+    tmp_path: Path,
+) -> None:
+    # A topic not created yet (a deployment step forgotten): its events wait in the relay's
+    # memory (relay/wal_held.py), the other topics' keep flowing, and once the operator
+    # creates it they go out before the key's later events, with no command to run.
+    missing = f"missing-{uuid.uuid4().hex[:8]}"
+    present = await new_topic(partitions=2)
+    ob = Outbox(settings)
+
+    def publish_missing(seqs: range) -> list[str]:
+        with engine.begin() as conn:
+            return [
+                str(ob.publish(conn, topic=missing, key="k", event_type="t", payload={"seq": n}))
+                for n in seqs
+            ]
+
+    port = free_port()
+    relay = RelayProcess(_env(settings), tmp_path, "wal", "--metrics-port", str(port))
+    try:
+        early = publish_missing(range(3))
+        ids = publish_numbered(engine, settings, present, 200, keys=10, per_tx=10)
+        records = await read_ids(settings.kafka_bootstrap_servers, present, ids, 30)
+        v = verdict(records, ids)
+        assert (v.lost, v.out_of_order) == (0, 0), (v, relay.log()[-3000:])
+        await asyncio.to_thread(
+            _metrics_when, port, lambda lines: "outbox_relay_wal_held_events 3.0" in lines
+        )
+        await new_topic(name=missing, partitions=2)
+        later = publish_missing(range(3, 6))
+        got = await read_all(settings.kafka_bootstrap_servers, missing, expect=6, wait_seconds=30)
+        assert [r.headers["ce_id"].decode() for r in got] == early + later
+        await asyncio.to_thread(
+            _metrics_when, port, lambda lines: "outbox_relay_wal_held_events 0.0" in lines
+        )
+        code, _ = relay.terminate()
+    finally:
+        relay.kill()
+    log = relay.log()
+    assert code == 0, log[-3000:]
+    assert f"events of Kafka topic {missing} wait in memory until it exists" in log, log[-3000:]
+    # The later events joined the queue if they came before it drained (3 or 6 delivered).
+    assert re.search(rf"Kafka {missing} takes events again: its [36] held events are", log), log

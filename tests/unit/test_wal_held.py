@@ -12,7 +12,7 @@ import pytest
 from relay.metrics import RelayMetrics
 from relay.planning import key_partition
 from relay.store import ClaimedRow
-from relay.wal_held import HeldPartitions
+from relay.wal_held import WHOLE_TOPIC, HeldPartitions
 from relay.wal_source import _Stream
 
 PARTS = [0, 1, 2, 3, 4, 5]
@@ -99,6 +99,22 @@ async def test_an_event_routed_while_the_queue_is_published_goes_after_it() -> N
     kafka.answer.set()
     await asyncio.wait_for(asyncio.gather(first, second), 5)
     assert kafka.delivered == ["id-0", "id-1"]
+
+
+async def test_a_missing_topics_queue_takes_every_later_event_of_the_topic() -> None:
+    kafka = Kafka()
+    h, _ = held(kafka)
+    whole = (TOPIC, WHOLE_TOPIC)
+    h.hold(whole, [row("a", 0)], None)
+    assert h.route(row("b", 1)) == whole  # any key of the topic
+    assert h.route(row(None, 2)) == whole
+    other = (*row("a", 3)[:2], "payments", *row("a", 3)[3:])
+    assert h.route(other) is None  # other topics go on
+    later = h.hold(whole, [row("b", 1), row(None, 2)], None)
+    kafka.answer.set()
+    await asyncio.wait_for(later, 5)
+    assert kafka.delivered == ["id-0", "id-1", "id-2"]
+    assert not h
 
 
 async def test_may_hold_only_rows_of_the_refused_partition() -> None:
