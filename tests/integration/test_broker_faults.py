@@ -303,9 +303,7 @@ async def _run(
     warm: float = 6.0,
     tail: float = 12.0,
 ) -> Outcome:
-    topic = f"faults-{uuid.uuid4().hex[:8]}"
-    await cluster.create_topic(topic, PARTITIONS)
-    await cluster.wait_in_sync([topic])
+    topic = await _new_topic(cluster)
     s = settings.model_copy(update={"kafka_bootstrap_servers": cluster.bootstrap})
     table = effects_table(engine)
     partitions = await cluster.describe(topic)
@@ -446,37 +444,67 @@ async def test_two_brokers_down_below_min_isr_waits_and_delivers_everything(
     assert (outcome.lost, outcome.duplicates, outcome.out_of_order) == (0, 0, 0), outcome.report()
 
 
+async def _new_topic(cluster: KafkaCluster) -> str:
+    topic = f"faults-{uuid.uuid4().hex[:8]}"
+    await cluster.create_topic(topic, PARTITIONS)
+    await cluster.wait_in_sync([topic])
+    return topic
+
+
+def _exited_cleanly(code: int, log: str) -> None:
+    assert "never retrieved" not in log, log[-3000:]
+    assert "Traceback" not in log, log[-3000:]
+    assert code == 0, log[-3000:]
+
+
+async def _stop_during_a_hang(
+    cluster: KafkaCluster,
+    engine: Engine,
+    settings: OutboxSettings,
+    topic: str,
+    relay: RelayProcess,
+    delivered: Callable[[list[str]], Awaitable[None]],
+) -> tuple[list[str], int, int, float]:
+    """200 events delivered (``delivered`` waits for them), then the busiest leader hung
+    while 600 more are committed over 6 s, then SIGTERM to ``relay``; the cluster healed
+    after. The ids committed, the broker hit, the relay's exit code and how long it took."""
+    hit = busiest_leader(await cluster.describe(topic))
+    try:
+        ids = publish_numbered(engine, settings, topic, 200, keys=KEYS)
+        await delivered(ids)
+        cluster.pause(hit)
+        try:
+            for round_ in range(6):  # a stream while the broker hangs
+                start = 200 + 100 * round_
+                ids += publish_numbered(engine, settings, topic, 100, keys=KEYS, start=start)
+                await asyncio.sleep(1)
+            code, took = await asyncio.to_thread(relay.terminate, 60)
+        finally:
+            cluster.resume(hit)
+    finally:
+        relay.kill()
+        await asyncio.to_thread(cluster.heal, hit)
+        await cluster.wait_in_sync([topic])
+    return ids, hit, code, took
+
+
 async def test_a_relay_stopped_during_a_broker_fault_exits_cleanly(
     kafka_cluster: KafkaCluster, engine: Engine, settings: OutboxSettings, tmp_path: Path
 ) -> None:
     # SIGTERM while a broker hangs: batches wait on it, producers were retired, their
     # queued batches failed with ProducerClosed. The relay exits 0 within its grace and
     # prints no "Future exception was never retrieved" (issue #38); nothing is lost after.
-    topic = f"faults-{uuid.uuid4().hex[:8]}"
-    await kafka_cluster.create_topic(topic, PARTITIONS)
-    await kafka_cluster.wait_in_sync([topic])
+    topic = await _new_topic(kafka_cluster)
     s = settings.model_copy(update={"kafka_bootstrap_servers": kafka_cluster.bootstrap})
     relay = RelayProcess(relay_env(s), tmp_path, "relay")
-    hit = busiest_leader(await kafka_cluster.describe(topic))
-    try:
-        publish_numbered(engine, s, topic, 200, keys=KEYS)
+
+    async def delivered(ids: list[str]) -> None:
         await asyncio.to_thread(wait_drained, engine, s, 60)
-        kafka_cluster.pause(hit)
-        try:
-            for round_ in range(6):  # a stream while the broker hangs
-                publish_numbered(engine, s, topic, 100, keys=KEYS, start=200 + 100 * round_)
-                await asyncio.sleep(1)
-            code, took = await asyncio.to_thread(relay.terminate, 60)
-        finally:
-            kafka_cluster.resume(hit)
-    finally:
-        relay.kill()
-        await asyncio.to_thread(kafka_cluster.heal, hit)
-        await kafka_cluster.wait_in_sync([topic])
-    log = relay.log()
-    assert "never retrieved" not in log, log[-3000:]
-    assert "Traceback" not in log, log[-3000:]
-    assert code == 0, log[-3000:]
+
+    _, hit, code, took = await _stop_during_a_hang(
+        kafka_cluster, engine, s, topic, relay, delivered
+    )
+    _exited_cleanly(code, relay.log())
     print(f"\nrelay exited {code} in {took:.1f} s after SIGTERM during a hang of broker {hit}")
 
 
@@ -487,33 +515,20 @@ async def test_a_wal_relay_stopped_while_it_holds_events_exits_cleanly_and_loses
     # (relay/wal_held.py): it exits 0 within its grace, having confirmed the slot only up to
     # the first held event; a relay started after the broker's return reads them again and
     # every event reaches Kafka, in order per key.
-    topic = f"faults-{uuid.uuid4().hex[:8]}"
-    await kafka_cluster.create_topic(topic, PARTITIONS)
-    await kafka_cluster.wait_in_sync([topic])
+    topic = await _new_topic(kafka_cluster)
     with wal_source(settings) as wal:
         s = wal.model_copy(update={"kafka_bootstrap_servers": kafka_cluster.bootstrap})
         relay = RelayProcess(wal_relay_env(s), tmp_path, "relay")
-        hit = busiest_leader(await kafka_cluster.describe(topic))
-        try:
-            ids = publish_numbered(engine, s, topic, 200, keys=KEYS)
+
+        async def delivered(ids: list[str]) -> None:
             await read_ids(kafka_cluster.bootstrap, topic, ids, 60)
-            kafka_cluster.pause(hit)
-            try:
-                for round_ in range(6):  # a stream while the broker hangs
-                    start = 200 + 100 * round_
-                    ids += publish_numbered(engine, s, topic, 100, keys=KEYS, start=start)
-                    await asyncio.sleep(1)
-                code, took = await asyncio.to_thread(relay.terminate, 60)
-            finally:
-                kafka_cluster.resume(hit)
-        finally:
-            relay.kill()
-            await asyncio.to_thread(kafka_cluster.heal, hit)
-            await kafka_cluster.wait_in_sync([topic])
+
+        ids, hit, code, took = await _stop_during_a_hang(
+            kafka_cluster, engine, s, topic, relay, delivered
+        )
         log = relay.log()
         assert "does not answer: its events wait in memory" in log, log[-3000:]
-        assert "never retrieved" not in log and "Traceback" not in log, log[-3000:]
-        assert code == 0, log[-3000:]
+        _exited_cleanly(code, log)
         after = RelayProcess(wal_relay_env(s), tmp_path, "relay-after")
         try:
             records = await read_ids(kafka_cluster.bootstrap, topic, ids, 90)

@@ -158,7 +158,8 @@ async def test_room_gives_up_when_stopping() -> None:
     await h.close()
 
 
-async def test_a_failure_publishing_held_events_is_raised_by_check() -> None:
+async def failed_publishing() -> tuple[HeldPartitions, list[int]]:
+    """A queue whose publishing failed (the failed table unreachable, say)."""
     kafka = Kafka()
     kafka.fail = RuntimeError("failed table unreachable")
     h, woken = held(kafka)
@@ -166,6 +167,11 @@ async def test_a_failure_publishing_held_events_is_raised_by_check() -> None:
     kafka.answer.set()
     for _ in range(10):
         await asyncio.sleep(0)
+    return h, woken
+
+
+async def test_a_failure_publishing_held_events_is_raised_by_check() -> None:
+    h, woken = await failed_publishing()
     assert woken
     with pytest.raises(RuntimeError, match="unreachable"):
         h.check()
@@ -174,13 +180,7 @@ async def test_a_failure_publishing_held_events_is_raised_by_check() -> None:
 
 
 async def test_a_failure_not_raised_before_close_is_not_raised_by_the_next_reading() -> None:
-    kafka = Kafka()
-    kafka.fail = RuntimeError("failed table unreachable")
-    h, _ = held(kafka)
-    h.hold((TOPIC, 0), [row(keys_in(0, 1)[0], 0)], PARTS)
-    kafka.answer.set()
-    for _ in range(10):
-        await asyncio.sleep(0)
+    h, _ = await failed_publishing()
     assert h.failure is not None
     await h.close()  # the reading ended for another reason first
     h.check()
