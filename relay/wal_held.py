@@ -12,9 +12,9 @@ batch goes on without them.
 Per-key order. A key always maps to one partition, so once a partition has a queue, every
 later event of that partition joins it (``route``, before its batch is published), behind
 the held ones, until the queue is empty; once a topic has one, every later event of the
-topic does. The queue is published in order by a task of its
-own, one batch at a time, each retried in place until Kafka acknowledges it (or refuses an
-event for good: the failed table, as for any batch). Keyless events carry no order and are
+topic does. The queue is published in order by a task of its own, one batch at a time,
+each retried in place until Kafka acknowledges it (or refuses an event for good: the
+failed table, as for any batch). Keyless events carry no order and are
 held like the others. The partitions a topic's keys map to are those of the moment its
 first event was held, so that a metadata refresh cannot route a later event of a key past
 its held ones.
@@ -78,7 +78,7 @@ class HeldPartitions:
         self._parts: dict[str, list[int]] = {}  # a topic's partitions when first held
         self.bytes = 0
         self._full = False  # past the limit: the reading waits
-        self.failure: BaseException | None = None
+        self.failure: Exception | None = None
 
     def __bool__(self) -> bool:
         return bool(self._queues)
@@ -148,7 +148,7 @@ class HeldPartitions:
         if not self._full:  # said once per spell, whichever stream meets it first
             self._full = True
             log.warning(
-                "events held for unavailable Kafka partitions reached "
+                "events held for Kafka (unavailable partitions, missing topics) reached "
                 "relay.max_inflight_bytes (%d bytes): reading the slot waits for Kafka",
                 self.bytes,
             )
@@ -183,9 +183,7 @@ class HeldPartitions:
                 queue.delivered,
                 extra={"topic": tp[0], "partition": tp[1]},
             )
-        except asyncio.CancelledError:
-            raise
-        except BaseException as exc:
+        except Exception as exc:  # cancelling (the reading ends) goes through
             self.failure = exc  # raised by the read loop (check), which it wakes
             self._woken()
 
