@@ -56,6 +56,12 @@ QUIET_SECONDS = 1.0
 TopicPartition = tuple[str, int]
 
 
+def waiting_place(source: str) -> str:
+    """Where a relay's records wait while Kafka cannot take them, for its log lines: the
+    table source leaves rows in the outbox, the WAL source holds events in memory."""
+    return "events wait in memory" if source == "wal" else "rows wait in the outbox"
+
+
 @dataclass
 class _Stall:
     started: float  # monotonic
@@ -67,9 +73,15 @@ class _Stall:
 class PartitionHealth:
     """Stalls and holds of the partitions one relay publishes to (shared by its pipelines)."""
 
-    def __init__(self, metrics: RelayMetrics, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        metrics: RelayMetrics,
+        clock: Callable[[], float] = time.monotonic,
+        source: str = "table",
+    ) -> None:
         self._metrics = metrics
         self._clock = clock
+        self._waiting = waiting_place(source)
         self._stalls: dict[TopicPartition, _Stall] = {}
         self._holds: dict[TopicPartition, float] = {}
         self._topic_holds: dict[str, float] = {}  # topics found missing: their rows' due time
@@ -200,13 +212,13 @@ class PartitionHealth:
             leaders = sorted({str(x) for x in sick.values() if x is not None and x >= 0})
             total = len(partitions.get(topic, ())) or "?"
             log.warning(
-                "%d of %s partitions of %s unavailable since %s, leader %s; their rows wait "
-                "in the outbox%s",
+                "%d of %s partitions of %s unavailable since %s, leader %s; their %s%s",
                 len(now),
                 total,
                 topic,
                 since,
                 ", ".join(leaders) or "unknown",
+                self._waiting,
                 "" if len(now) == total else ", the other partitions keep flowing",
                 extra={"topic": topic, "partitions": sorted(now), "leaders": leaders},
             )

@@ -24,7 +24,7 @@ from outbox.errors import BrokerUnavailable, TopicMissing
 from outbox.settings import OutboxSettings
 from relay.errors import PartitionUnavailable, RecordRejected, RecordTooLarge
 from relay.outcome import Outcome
-from relay.partitions import PartitionHealth
+from relay.partitions import PartitionHealth, waiting_place
 from relay.producer_pool import ProducerPool
 from relay.store import (
     CE_ID,
@@ -101,8 +101,9 @@ class BatchPlanner:
                 if topic not in self._missing:
                     self._missing.add(topic)
                     log.warning(
-                        "Kafka topic missing; its rows wait in the outbox (no attempts counted) "
-                        "until it exists: outbox topics ensure --topic %s",
+                        "Kafka topic missing; its %s (no attempts counted) until it exists: "
+                        "outbox topics ensure --topic %s",
+                        waiting_place(self._settings.source),
                         topic,
                         extra={"topic": topic},
                     )

@@ -62,7 +62,7 @@ class Publisher:
     def __init__(self, settings: OutboxSettings, metrics: RelayMetrics | None = None) -> None:
         self._settings = settings
         self._metrics = metrics or RelayMetrics()
-        self.health = PartitionHealth(self._metrics)
+        self.health = PartitionHealth(self._metrics, source=settings.source)
         self.brokers = BrokerView(settings, self.health, lambda: self.pool.running())
         self.pool = ProducerPool(settings, self.brokers)
         self.planner = BatchPlanner(settings, self.health, self.pool)

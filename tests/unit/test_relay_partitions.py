@@ -148,6 +148,20 @@ async def test_when_every_partition_is_unavailable_no_others_keep_flowing(
     assert message.endswith("leader 1; their rows wait in the outbox")
 
 
+async def test_a_wal_relays_stall_line_says_its_events_wait_in_memory(
+    clock: Clock, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The WAL source holds a stalled partition's events in memory (relay/wal_held.py):
+    # "rows wait in the outbox" would send an operator to look for them in the table.
+    caplog.set_level(logging.WARNING, "relay.kafka")
+    health = PartitionHealth(RelayMetrics(), clock, source="wal")
+    health.stalled(TP, asyncio.get_running_loop().create_future(), leader=1)
+    clock.now += 1.5
+    health.report({"orders": [3]})
+    [line] = said(caplog)
+    assert line.getMessage().endswith("leader 1; their events wait in memory")
+
+
 class _Broker:
     def __init__(self, node: int) -> None:
         self.nodeId, self.host, self.port = node, "10.0.0.1", 9090 + node
