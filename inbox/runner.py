@@ -27,9 +27,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -76,6 +77,12 @@ STALLED_AFTER_SECONDS = 120.0
 KAFKA_CHECK_SECONDS = 1.0
 LAG_EVERY_SECONDS = 1.0
 END_OFFSETS_TIMEOUT_SECONDS = 5.0
+# At stop, Kafka gets this long for the last offset commit and again for leaving the group.
+# A group coordinator that does not answer held the exit for its request timeout (37 s
+# after SIGTERM, measured), and nothing needs either: whoever reads the partitions next
+# re-reads from the last committed offset and the inbox skips what was applied, and the
+# group drops a member that went silent after its session timeout.
+KAFKA_AT_STOP_SECONDS = 3.0
 
 
 class _Listener(ConsumerRebalanceListener):  # type: ignore[misc]
@@ -230,10 +237,10 @@ class ConsumerDaemon:
                 closing.push_async_callback(sink.stop)
                 # Leaves the group: partitions move. A static member stays in it (no
                 # LeaveGroup): its partitions wait for the same instance id to return.
-                closing.push_async_callback(kafka.stop)
+                closing.push_async_callback(_at_stop, kafka.stop, "leaving the group")
                 if self._sharer is not None:
                     closing.callback(self._sharer.cancel)
-                closing.push_async_callback(self.release, list(self._lanes))
+                closing.push_async_callback(self.release, list(self._lanes), True)
             log.info("consumer stopped", extra={"consumer": self.app.name, **self._counts()})
         if self._failure is not None:
             raise self._failure
@@ -544,8 +551,9 @@ class ConsumerDaemon:
 
     # ------------------------------------------------------------------ release
 
-    async def release(self, tps: Sequence[TopicPartition]) -> None:
-        """Stop the given partitions after their current run, wait, and commit their offsets.
+    async def release(self, tps: Sequence[TopicPartition], stopping: bool = False) -> None:
+        """Stop the given partitions after their current run, wait, and commit their offsets
+        (``stopping``: within ``KAFKA_AT_STOP_SECONDS``).
 
         Records fetched but not started are dropped: the next owner reads them again from
         the committed offset.
@@ -558,7 +566,11 @@ class ConsumerDaemon:
             lane.processor.stopping.set()
             lane.wake.set()
         await asyncio.gather(*(lane.task for lane in lanes if lane.task), return_exceptions=True)
-        await self._offsets.flush(only=[lane.tp for lane in lanes])
+        commit = functools.partial(self._offsets.flush, only=[lane.tp for lane in lanes])
+        if stopping:
+            await _at_stop(commit, "the last offset commit")
+        else:
+            await commit()
         assert self.metrics is not None
         for tp in tps:  # the next owner reports these partitions' lag
             self._assigned.discard(tp)
@@ -567,3 +579,17 @@ class ConsumerDaemon:
             self.metrics.forget_lag(tp.topic, tp.partition)
         if lanes:
             log.info("partitions released", extra={"partitions": sorted(str(x.tp) for x in lanes)})
+
+
+async def _at_stop(step: Callable[[], Awaitable[Any]], what: str) -> None:
+    """``step`` (a request to Kafka, at stop), given up after ``KAFKA_AT_STOP_SECONDS``."""
+    try:
+        await asyncio.wait_for(step(), KAFKA_AT_STOP_SECONDS)
+    except TimeoutError:
+        log.warning(
+            "Kafka did not answer %s within %.0f s; stopping without it (nothing is lost: the "
+            "partitions' next reader starts from the last committed offset and the inbox "
+            "skips what was applied)",
+            what,
+            KAFKA_AT_STOP_SECONDS,
+        )

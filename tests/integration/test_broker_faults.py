@@ -38,6 +38,7 @@ import pytest
 from aiokafka.partitioner import murmur2
 from sqlalchemy import Engine, text
 
+from inbox.runner import KAFKA_AT_STOP_SECONDS
 from outbox.settings import OutboxSettings
 from tests.support.cluster import FailoverWatch, KafkaCluster, PartitionInfo, busiest_leader
 from tests.support.cluster import kafka_cluster as kafka_cluster  # the fixture
@@ -545,3 +546,57 @@ async def test_a_wal_relay_stopped_while_it_holds_events_exits_cleanly_and_loses
     v = verdict(records, ids)
     print(f"\nrelay exited {code} in {took:.1f} s after SIGTERM during a hang of broker {hit}; {v}")
     assert (v.lost, v.out_of_order, v.unexpected) == (0, 0, 0), v
+
+
+async def test_a_consumer_stopped_while_its_group_coordinator_hangs_exits_promptly(
+    kafka_cluster: KafkaCluster, engine: Engine, settings: OutboxSettings, tmp_path: Path
+) -> None:
+    # SIGTERM while the broker that coordinates the consumer's group (and leads most of the
+    # topic) hangs: its offset commits and its LeaveGroup go to a broker that never
+    # answers. It exits 0, promptly; after the broker's return every event is applied once.
+    topic = await _new_topic(kafka_cluster)
+    s = settings.model_copy(update={"kafka_bootstrap_servers": kafka_cluster.bootstrap})
+    table = effects_table(engine)
+    partitions = await kafka_cluster.describe(topic)
+    coordinators = await kafka_cluster.coordinators()
+    hit = busiest_leader(
+        {p: i for p, i in partitions.items() if i.leader in coordinators} or partitions
+    )
+    group = await kafka_cluster.group_on(hit) or f"c-{uuid.uuid4().hex[:8]}"
+    daemons = Daemons(s, topic, table, group, tmp_path)
+    try:
+        ids = publish_numbered(engine, s, topic, 200, keys=KEYS, event_type="test.event")
+        await _until_applied(engine, table, len(ids), daemons)
+        kafka_cluster.pause(hit)
+        try:
+            ids += publish_numbered(
+                engine, s, topic, 200, keys=KEYS, start=200, event_type="test.event"
+            )
+            await asyncio.sleep(3)
+            started = time.monotonic()
+            daemons.consumer.terminate()
+            code = await asyncio.to_thread(daemons.consumer.wait, 90)
+            took = time.monotonic() - started
+        finally:
+            kafka_cluster.resume(hit)
+    finally:
+        daemons.stop()
+        await asyncio.to_thread(kafka_cluster.heal, hit)
+        await kafka_cluster.wait_in_sync([topic])
+    log = daemons.consumer_log.read_text(errors="replace")
+    print(f"\nconsumer exited {code} in {took:.1f} s after SIGTERM during a hang of broker {hit}")
+    (tmp_path / "after").mkdir()
+    after = Daemons(s, topic, table, group, tmp_path / "after")
+    try:
+        await _until_applied(engine, table, len(ids), after)
+    finally:
+        after.stop()
+    with engine.connect() as conn:
+        twice = conn.execute(
+            text(f"SELECT count(*) - count(DISTINCT event_id) FROM {table}")
+        ).scalar_one()
+    assert "Traceback" not in log and "never retrieved" not in log, log[-3000:]
+    assert code == 0, log[-3000:]
+    assert twice == 0
+    # Its last offset commit and its LeaveGroup get KAFKA_AT_STOP_SECONDS each (took 37 s).
+    assert took <= 2 * KAFKA_AT_STOP_SECONDS + 4, f"the stop took {took:.1f} s\n{log[-3000:]}"
