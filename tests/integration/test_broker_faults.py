@@ -24,13 +24,14 @@ failover), and on four, where some partitions are clear (docs/operations/kafka-f
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import subprocess
 import sys
 import threading
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -289,6 +290,29 @@ async def _until_applied(engine: Engine, table: str, expected: int, daemons: Dae
     raise AssertionError(f"{done} of {expected} events applied\n{daemons.logs()}")
 
 
+async def _stream_setup(
+    cluster: KafkaCluster, engine: Engine, settings: OutboxSettings
+) -> tuple[str, OutboxSettings, str]:
+    """A new topic, the settings that reach ``cluster``, a new effects table."""
+    topic = await _new_topic(cluster)
+    s = settings.model_copy(update={"kafka_bootstrap_servers": cluster.bootstrap})
+    return topic, s, effects_table(engine)
+
+
+def _busiest_coordinator(
+    partitions: dict[int, PartitionInfo], coordinators: set[int], on_it: bool = True
+) -> int:
+    """The busiest leader among the brokers that are group coordinators (after an earlier
+    fault a broker may lead partitions of a new topic but none of the offsets topic); with
+    ``on_it`` False (the group's coordinator must stay clear), among those that leave
+    another coordinator (on a fresh cluster one broker may lead the whole offsets topic)."""
+    if on_it:
+        candidates = {p: i for p, i in partitions.items() if i.leader in coordinators}
+    else:
+        candidates = {p: i for p, i in partitions.items() if coordinators - {i.leader}}
+    return busiest_leader(candidates or partitions)
+
+
 Fault = Callable[[KafkaCluster, list[int]], Awaitable[None]]
 
 
@@ -304,20 +328,10 @@ async def _run(
     warm: float = 6.0,
     tail: float = 12.0,
 ) -> Outcome:
-    topic = await _new_topic(cluster)
-    s = settings.model_copy(update={"kafka_bootstrap_servers": cluster.bootstrap})
-    table = effects_table(engine)
+    topic, s, table = await _stream_setup(cluster, engine, settings)
     partitions = await cluster.describe(topic)
-    # The busiest leader among the brokers that are group coordinators (after an earlier
-    # fault a broker may lead partitions of a new topic but none of the offsets topic); when
-    # the group's coordinator must stay clear, among those that leave another coordinator
-    # (on a fresh cluster one broker may lead the whole offsets topic).
     coordinators = await cluster.coordinators()
-    if coordinator_on_sick:
-        candidates = {p: i for p, i in partitions.items() if i.leader in coordinators}
-    else:
-        candidates = {p: i for p, i in partitions.items() if coordinators - {i.leader}}
-    hit = [busiest_leader(candidates or partitions)]
+    hit = [_busiest_coordinator(partitions, coordinators, coordinator_on_sick)]
     if sick > 1:  # the next busiest leader
         hit.append(busiest_leader({p: i for p, i in partitions.items() if i.leader != hit[0]}))
     kinds = _classify(partitions, set(hit))
@@ -481,20 +495,27 @@ async def _stop_during_a_hang(
     try:
         ids = publish_numbered(engine, settings, topic, 200, keys=KEYS)
         await delivered(ids)
-        cluster.pause(hit)
-        try:
+        async with _hung(cluster, hit, topic):
             for round_ in range(6):  # a stream while the broker hangs
                 start = 200 + 100 * round_
                 ids += publish_numbered(engine, settings, topic, 100, keys=KEYS, start=start)
                 await asyncio.sleep(1)
             code, took = await asyncio.to_thread(relay.terminate, 60)
-        finally:
-            cluster.resume(hit)
     finally:
         relay.kill()
-        await asyncio.to_thread(cluster.heal, hit)
-        await cluster.wait_in_sync([topic])
     return ids, hit, code, took
+
+
+@contextlib.asynccontextmanager
+async def _hung(cluster: KafkaCluster, broker: int, topic: str) -> AsyncIterator[None]:
+    """``broker`` hung for the block; the cluster whole and ``topic`` in sync after it."""
+    cluster.pause(broker)
+    try:
+        yield
+    finally:
+        cluster.resume(broker)
+        await asyncio.to_thread(cluster.heal, broker)
+        await cluster.wait_in_sync([topic])
 
 
 async def test_a_relay_stopped_during_a_broker_fault_exits_cleanly(
@@ -554,21 +575,15 @@ async def test_a_consumer_stopped_while_its_group_coordinator_hangs_exits_prompt
     # SIGTERM while the broker that coordinates the consumer's group (and leads most of the
     # topic) hangs: its offset commits and its LeaveGroup go to a broker that never
     # answers. It exits 0, promptly; after the broker's return every event is applied once.
-    topic = await _new_topic(kafka_cluster)
-    s = settings.model_copy(update={"kafka_bootstrap_servers": kafka_cluster.bootstrap})
-    table = effects_table(engine)
+    topic, s, table = await _stream_setup(kafka_cluster, engine, settings)
     partitions = await kafka_cluster.describe(topic)
-    coordinators = await kafka_cluster.coordinators()
-    hit = busiest_leader(
-        {p: i for p, i in partitions.items() if i.leader in coordinators} or partitions
-    )
+    hit = _busiest_coordinator(partitions, await kafka_cluster.coordinators())
     group = await kafka_cluster.group_on(hit) or f"c-{uuid.uuid4().hex[:8]}"
     daemons = Daemons(s, topic, table, group, tmp_path)
     try:
         ids = publish_numbered(engine, s, topic, 200, keys=KEYS, event_type="test.event")
         await _until_applied(engine, table, len(ids), daemons)
-        kafka_cluster.pause(hit)
-        try:
+        async with _hung(kafka_cluster, hit, topic):
             ids += publish_numbered(
                 engine, s, topic, 200, keys=KEYS, start=200, event_type="test.event"
             )
@@ -577,12 +592,8 @@ async def test_a_consumer_stopped_while_its_group_coordinator_hangs_exits_prompt
             daemons.consumer.terminate()
             code = await asyncio.to_thread(daemons.consumer.wait, 90)
             took = time.monotonic() - started
-        finally:
-            kafka_cluster.resume(hit)
     finally:
         daemons.stop()
-        await asyncio.to_thread(kafka_cluster.heal, hit)
-        await kafka_cluster.wait_in_sync([topic])
     log = daemons.consumer_log.read_text(errors="replace")
     print(f"\nconsumer exited {code} in {took:.1f} s after SIGTERM during a hang of broker {hit}")
     (tmp_path / "after").mkdir()
