@@ -232,7 +232,7 @@ class KafkaSink:
     async def stop(self) -> None:
         producer, self._producer = self._producer, None
         if producer is not None:
-            await producer.stop()
+            await _close(producer)  # a hung broker must not hold a stopping consumer
 
     async def _replace(self, generation: int) -> None:
         """Retire the producer ``generation`` saw fail (once, however many sends saw it);

@@ -77,11 +77,12 @@ STALLED_AFTER_SECONDS = 120.0
 KAFKA_CHECK_SECONDS = 1.0
 LAG_EVERY_SECONDS = 1.0
 END_OFFSETS_TIMEOUT_SECONDS = 5.0
-# At stop, Kafka gets this long for the last offset commit and again for leaving the group.
-# A group coordinator that does not answer held the exit for its request timeout (37 s
-# after SIGTERM, measured), and nothing needs either: whoever reads the partitions next
-# re-reads from the last committed offset and the inbox skips what was applied, and the
-# group drops a member that went silent after its session timeout.
+# At stop, Kafka gets this long for the last offset commit and again for closing the
+# consumer (its LeaveGroup, unless static). aiokafka retries a commit a group coordinator
+# does not answer (a request timeout, a coordinator lookup, again): that held the exit for
+# 37 s. Nothing needs either step: whoever reads the partitions next starts from the last
+# committed offset and the inbox skips what was applied; the group moves a member's
+# partitions once it has been silent for the session timeout.
 KAFKA_AT_STOP_SECONDS = 3.0
 
 
@@ -237,10 +238,17 @@ class ConsumerDaemon:
                 closing.push_async_callback(sink.stop)
                 # Leaves the group: partitions move. A static member stays in it (no
                 # LeaveGroup): its partitions wait for the same instance id to return.
-                closing.push_async_callback(_at_stop, kafka.stop, "leaving the group")
+                closing.push_async_callback(
+                    _at_stop,
+                    kafka.stop,
+                    "closing the consumer (its LeaveGroup)",
+                    "the group moves this member's partitions after the session timeout",
+                )
                 if self._sharer is not None:
                     closing.callback(self._sharer.cancel)
-                closing.push_async_callback(self.release, list(self._lanes), True)
+                closing.push_async_callback(
+                    functools.partial(self.release, list(self._lanes), stopping=True)
+                )
             log.info("consumer stopped", extra={"consumer": self.app.name, **self._counts()})
         if self._failure is not None:
             raise self._failure
@@ -568,7 +576,12 @@ class ConsumerDaemon:
         await asyncio.gather(*(lane.task for lane in lanes if lane.task), return_exceptions=True)
         commit = functools.partial(self._offsets.flush, only=[lane.tp for lane in lanes])
         if stopping:
-            await _at_stop(commit, "the last offset commit")
+            await _at_stop(
+                commit,
+                "the last offset commit",
+                "the partitions' next reader starts from the last committed offset, and the "
+                "inbox skips what was applied",
+            )
         else:
             await commit()
         assert self.metrics is not None
@@ -581,15 +594,15 @@ class ConsumerDaemon:
             log.info("partitions released", extra={"partitions": sorted(str(x.tp) for x in lanes)})
 
 
-async def _at_stop(step: Callable[[], Awaitable[Any]], what: str) -> None:
-    """``step`` (a request to Kafka, at stop), given up after ``KAFKA_AT_STOP_SECONDS``."""
+async def _at_stop(step: Callable[[], Awaitable[Any]], what: str, without: str) -> None:
+    """``step`` (a request to Kafka, at stop), given up after ``KAFKA_AT_STOP_SECONDS``;
+    ``without``: what that costs (never an event)."""
     try:
         await asyncio.wait_for(step(), KAFKA_AT_STOP_SECONDS)
     except TimeoutError:
         log.warning(
-            "Kafka did not answer %s within %.0f s; stopping without it (nothing is lost: the "
-            "partitions' next reader starts from the last committed offset and the inbox "
-            "skips what was applied)",
+            "Kafka did not answer %s within %.0f s; stopping without it (nothing is lost: %s)",
             what,
             KAFKA_AT_STOP_SECONDS,
+            without,
         )

@@ -54,8 +54,9 @@ METADATA = Capability(
 )
 ABANDON = Capability(
     "abandon queued batches",
-    "a retired or stopping producer waits up to the ack timeout for batches queued on a "
-    "dead broker (its rows stay in the outbox)",
+    "a retired producer waits up to the ack timeout for batches queued on a dead broker, "
+    "and a stopping one leaves them queued until the relay exits (their rows stay in the "
+    "outbox)",
     "AIOKafkaProducer._message_accumulator (_batches, _pending_batches, fail_all), "
     "MessageBatch (future, _drain_waiter)",
 )
@@ -417,6 +418,21 @@ def reset_group_member(consumer: Any) -> bool:
         _lose(GROUP_GENERATION, exc)
         return False
     return True
+
+
+# ------------------------------------------------------------ shielded requests, given up
+
+
+# aiokafka's requests that run in tasks of their own, shielded from their caller's
+# cancellation (a consumer's offset commit), by coroutine name. A future aiokafka that
+# renames one makes its late failure a loud report again, never a silent one.
+_SHIELDED_REQUESTS = frozenset({"GroupCoordinator._do_commit_offsets"})
+
+
+def is_shielded_request(task: asyncio.Task[Any]) -> bool:
+    """Whether ``task`` is one of aiokafka's shielded requests: a caller that gave up
+    waiting for it (a daemon at stop) leaves its error unread."""
+    return getattr(task.get_coro(), "__qualname__", None) in _SHIELDED_REQUESTS
 
 
 # -------------------------------------------------------------------- OAUTHBEARER exchange

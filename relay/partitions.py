@@ -56,10 +56,16 @@ QUIET_SECONDS = 1.0
 TopicPartition = tuple[str, int]
 
 
+def records_of(source: str) -> str:
+    """What a relay's log lines call its records: rows of the outbox table, or events read
+    from the WAL."""
+    return "events" if source == "wal" else "rows"
+
+
 def waiting_place(source: str) -> str:
     """Where a relay's records wait while Kafka cannot take them, for its log lines: the
     table source leaves rows in the outbox, the WAL source holds events in memory."""
-    return "events wait in memory" if source == "wal" else "rows wait in the outbox"
+    return f"{records_of(source)} wait {'in memory' if source == 'wal' else 'in the outbox'}"
 
 
 @dataclass

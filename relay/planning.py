@@ -24,7 +24,7 @@ from outbox.errors import BrokerUnavailable, TopicMissing
 from outbox.settings import OutboxSettings
 from relay.errors import PartitionUnavailable, RecordRejected, RecordTooLarge
 from relay.outcome import Outcome
-from relay.partitions import PartitionHealth, waiting_place
+from relay.partitions import PartitionHealth, records_of, waiting_place
 from relay.producer_pool import ProducerPool
 from relay.store import (
     CE_ID,
@@ -110,7 +110,11 @@ class BatchPlanner:
                 raise TopicMissing(topic)
         if topic in self._missing:
             self._missing.discard(topic)
-            log.info("Kafka topic exists now; publishing its rows", extra={"topic": topic})
+            log.info(
+                "Kafka topic exists now; publishing its %s",
+                records_of(self._settings.source),
+                extra={"topic": topic},
+            )
         parts = sorted(known)
         self.partitions[topic] = parts
         return parts

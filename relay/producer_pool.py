@@ -26,8 +26,8 @@ from relay.outcome import classify
 
 log = logging.getLogger("relay.publisher")
 # A stopping relay's producer, its batches failed, waits this long for its requests in
-# flight before it is let go of.
-_LET_GO_SECONDS = 1.0
+# flight; then its stop is cancelled.
+_IN_FLIGHT_AT_STOP_SECONDS = 1.0
 
 
 class ProducerPool:
@@ -134,35 +134,36 @@ class ProducerPool:
         # Its queued batches may still be acknowledged (copies of rows that are back in the
         # outbox: duplicates, never reordered); let it flush in the background.
         flush = self._settings.relay.ack_timeout_seconds
-        task = asyncio.ensure_future(self._close(producer, flush, then=flush))
+        task = asyncio.ensure_future(self._close(producer, flush, in_flight=flush))
         self._closing.add(task)
         task.add_done_callback(self._closing.discard)
         return True
 
     async def stop(self, within: float) -> None:
         """Close every producer: each may flush for ``within`` seconds; then what it still
-        holds is failed, and a second later it is let go of, requests in flight or not.
-        Waiting for those (a broker that does not answer: the ack timeout) held the
-        relay's exit 12 s after SIGTERM, with a grace of 5 s."""
+        holds is failed, and a second later its stop is cancelled, requests in flight or
+        not (a broker that does not answer would hold them for the ack timeout)."""
         producers = [p for p in self._producers if p is not None]
         self._producers = [None] * len(self._producers)
         for task in [*self._closing, *self._starting.values()]:
             task.cancel()
-        await asyncio.gather(*(self._close(p, within, then=_LET_GO_SECONDS) for p in producers))
+        in_flight = _IN_FLIGHT_AT_STOP_SECONDS
+        await asyncio.gather(*(self._close(p, within, in_flight) for p in producers))
 
-    async def _close(self, producer: AIOKafkaProducer, within: float, then: float) -> None:
+    async def _close(self, producer: AIOKafkaProducer, within: float, in_flight: float) -> None:
         # stop() flushes, and a batch waiting on a dead or hung broker never finishes. Rows
         # not acked are still in the database, so failing what is still queued loses
         # nothing; then the producer closes its sender and connections instead of retrying
         # forever. (aiokafka has no public "close without flushing".) Its sender still
-        # waits ``then`` seconds for its requests in flight; after that the stop is
-        # cancelled, and asyncio.run() cancels what is left of it at exit.
+        # waits ``in_flight`` seconds for its requests in flight; after that the stop is
+        # cancelled. Its connections are then never closed: the relay is exiting, and
+        # asyncio.run() cancels the client's tasks on the way out.
         stopping = asyncio.ensure_future(producer.stop())
         try:
             await asyncio.wait({stopping}, timeout=within)
             if not stopping.done():
                 kafka_room.abandon_queued(producer, kerr.ProducerClosed())
-                await asyncio.wait({stopping}, timeout=then)
+                await asyncio.wait({stopping}, timeout=in_flight)
             if stopping.done() and not stopping.cancelled() and stopping.exception():
                 log.debug("producer stop failed: %r", stopping.exception())
         finally:

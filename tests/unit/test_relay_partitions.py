@@ -256,7 +256,7 @@ async def test_replacing_a_stalled_batch_s_producer_ends_every_wait_for_kafka(
     # never be answered: the waits end then, not when their backoff runs out.
     closed: list[object] = []
 
-    async def close(self: ProducerPool, producer: object, within: float, then: float) -> None:
+    async def close(self: ProducerPool, producer: object, within: float, in_flight: float) -> None:
         closed.append(producer)
 
     monkeypatch.setattr(ProducerPool, "_close", close)
