@@ -1,10 +1,11 @@
 """Shared bench plumbing: settings for a scratch database and a fresh schema per run, and
-topics of the run's own, deleted at its end."""
+topics of the run's own, deleted at its end; the environment of a relay it starts."""
 
 from __future__ import annotations
 
 import argparse
 import fcntl
+import os
 import uuid
 from typing import IO
 
@@ -13,8 +14,8 @@ from aiokafka.errors import KafkaError
 from sqlalchemy import text
 
 from outbox import OutboxSettings, load_settings, migrate
-from outbox.daemon import kafka_admin
 from outbox.db import sync_engine
+from outbox.kafka.clients import kafka_admin, kafka_environment
 from tests.support.kafka import scratch_lock
 
 
@@ -97,3 +98,22 @@ async def delete_topics(settings: OutboxSettings) -> None:
         print(f"could not delete this run's topics ({type(exc).__name__}): {sorted(ours)}")
     finally:
         await admin.close()
+
+
+def relay_env(settings: OutboxSettings) -> dict[str, str]:
+    # OUTBOX_RELAY__* from the caller's environment pass through (tuning experiments).
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("OUTBOX_") or k.startswith("OUTBOX_RELAY__")
+    }
+    env.setdefault("OUTBOX_RELAY__HEARTBEAT_SECONDS", "0.5")
+    env.update(
+        OUTBOX_DATABASE_URL=settings.database_url.get_secret_value(),
+        OUTBOX_DB_SCHEMA=settings.db_schema,
+        OUTBOX_SOURCE=settings.source,
+        OUTBOX_WAL__SLOT=settings.wal.slot,
+        OUTBOX_WAL__PUBLICATION=settings.wal.publication,
+        **kafka_environment(settings),
+    )
+    return env

@@ -79,8 +79,8 @@ from bench.cpuprofile import CpuProfile, Stage
 from bench.timeline import Timeline
 from inbox import ConsumerDaemon, Metrics
 from outbox import aio
-from outbox.daemon import kafka_environment, kafka_producer
 from outbox.db import sync_engine
+from outbox.kafka.clients import kafka_environment, kafka_producer
 from outbox.settings import ConsumerSettings, OutboxSettings
 
 TABLE = "bench_orders"
@@ -255,7 +255,7 @@ STAGES: list[Stage] = [
         ("batch handler: payload models of the list", "Handler.parse"),
         (
             "batch handler: the list (stale checks, metrics, tracing)",
-            "PartitionProcessor._run_batch",
+            "Dispatch.run_batch",
         ),
         (
             "session and connection set-up",
@@ -263,10 +263,10 @@ STAGES: list[Stage] = [
             "AsyncSession.begin AsyncSession.close AsyncSession.__aexit__ "
             "Connections.take Connections.give",
         ),
-        ("per event: dispatch, metrics, tracing", "PartitionProcessor._run_handler"),
+        ("per event: dispatch, metrics, tracing", "Dispatch.run_handler"),
         (
             "scheduling (lanes, shared transaction bookkeeping)",
-            "_Lane.work _Lane.feed ConsumerDaemon._share process_together _transaction "
+            "_Lane.work _Lane.feed ConsumerDaemon._share process_together transaction "
             "PartitionProcessor.process",
         ),
         ("fetch loop", "ConsumerDaemon._loop"),
@@ -756,4 +756,4 @@ if __name__ == "__main__":
     args = parser.parse_args()
     PROFILE_DIR = args.profile
     TIMELINE = args.timeline
-    aio.run(main(args))
+    aio.run_daemon(main(args))

@@ -48,14 +48,14 @@ from dotenv import dotenv_values
 from sqlalchemy.engine import make_url
 
 from bench import tracing, wal
-from bench.common import create_topic, delete_topics
+from bench.common import create_topic, delete_topics, relay_env
 from outbox import Outbox, migrate
-from outbox.daemon import kafka_consumer, kafka_environment, kafka_producer
 from outbox.db import sync_engine
 from outbox.envelope import Message, lane_for
+from outbox.kafka.clients import kafka_consumer, kafka_producer
 from outbox.settings import KafkaSettings, OutboxSettings
-from relay.cursor import LANE_START
-from relay.store import CLAIM_SESSION_SETTINGS, RelayStore
+from relay.sources.table.cursor import LANE_START
+from relay.sources.table.store import CLAIM_SESSION_SETTINGS, ClaimStore
 
 KEYS = 1000
 PAD = 250  # JSON payload of ~300 bytes
@@ -109,25 +109,6 @@ def pending(settings: OutboxSettings) -> int:
     with psycopg.connect(settings.libpq_dsn) as conn:
         row = conn.execute(f"SELECT count(*) FROM {events} WHERE published_at IS NULL").fetchone()
     return int(row[0]) if row else 0
-
-
-def relay_env(settings: OutboxSettings) -> dict[str, str]:
-    # OUTBOX_RELAY__* from the caller's environment pass through (tuning experiments).
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith("OUTBOX_") or k.startswith("OUTBOX_RELAY__")
-    }
-    env.setdefault("OUTBOX_RELAY__HEARTBEAT_SECONDS", "0.5")
-    env.update(
-        OUTBOX_DATABASE_URL=settings.database_url.get_secret_value(),
-        OUTBOX_DB_SCHEMA=settings.db_schema,
-        OUTBOX_SOURCE=settings.source,
-        OUTBOX_WAL__SLOT=settings.wal.slot,
-        OUTBOX_WAL__PUBLICATION=settings.wal.publication,
-        **kafka_environment(settings),
-    )
-    return env
 
 
 def own_outbox() -> str:
@@ -295,7 +276,7 @@ def db_ceiling(settings: OutboxSettings, topic: str, rows: int) -> tuple[float, 
     """Rows/s of (a) the relay's own claim statement (fence + per-lane LATERAL + DELETE
     ... RETURNING, batch 2000) and (b) the plain DELETE ... IN (SELECT ... FOR UPDATE SKIP
     LOCKED LIMIT 2000) RETURNING, both with no Kafka at all."""
-    store = RelayStore(settings)
+    store = ClaimStore.of(settings)
     lanes = list(range(settings.lanes))
     events = f'"{settings.db_schema}"."{settings.table_prefix}events"'
     plain = (

@@ -28,8 +28,8 @@ from pathlib import Path
 
 import psycopg
 
-from bench.common import create_topic, delete_topics, drop_schema, scratch_settings
-from bench.relay import pending, relay_env
+from bench.common import create_topic, delete_topics, drop_schema, relay_env, scratch_settings
+from bench.relay import pending
 from outbox.envelope import lane_for
 from outbox.settings import OutboxSettings
 

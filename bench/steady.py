@@ -61,9 +61,9 @@ from pathlib import Path
 import psycopg
 from sqlalchemy.engine import make_url
 
-from bench.common import create_topic, delete_topics
+from bench.common import create_topic, delete_topics, relay_env
 from bench.cpuprofile import CpuProfile, Stage
-from bench.relay import _dsn, own_outbox, read_topic, relay_env, stop_relays, wait_balanced
+from bench.relay import _dsn, own_outbox, read_topic, stop_relays, wait_balanced
 from bench.steady_app import DDL, TABLE
 from bench.wal import wal_mode
 from outbox import Outbox, migrate
@@ -199,12 +199,12 @@ CONSUMER_STAGES: list[Stage] = [
             "AsyncSession.begin AsyncSession.close AsyncSession.__aexit__ "
             "Connections.take Connections.give",
         ),
-        ("per event: dispatch, metrics, tracing", "PartitionProcessor._run_handler"),
-        ("per list: stale checks, metrics, tracing", "PartitionProcessor._run_batch"),
+        ("per event: dispatch, metrics, tracing", "Dispatch.run_handler"),
+        ("per list: stale checks, metrics, tracing", "Dispatch.run_batch"),
         (
             "scheduling (lanes, the sharer, shared-transaction bookkeeping)",
             "_Lane.work _Lane.feed Lane.work Lane.feed ConsumerDaemon._share process_together "
-            "_transaction PartitionProcessor.process",
+            "transaction PartitionProcessor.process",
         ),
         ("fetch loop", "ConsumerDaemon._loop"),
         ("database driver wake-ups (psycopg)", "wait_async.<locals>.wakeup"),

@@ -125,8 +125,12 @@ class Timeline:
         from aiokafka import AIOKafkaConsumer
 
         import inbox.processor as processor
+        import inbox.together as together
+        import inbox.transaction as transaction
         from inbox.app import Handler
         from inbox.connections import Connections
+        from inbox.dispatch import Dispatch
+        from inbox.marker import AttemptMarker
         from inbox.store import InboxStore
 
         def fetched(batches: Any) -> None:
@@ -149,14 +153,16 @@ class Timeline:
 
         Fetcher._proc_fetch_request = timed_request
         self._undo.append(lambda: setattr(Fetcher, "_proc_fetch_request", original))
-        self._wrap(processor, "_transaction", "transaction (take .. give back)")
+        # Wrapped where it is called (each module holds its own name for it).
+        self._wrap(processor, "transaction", "transaction (take .. give back)")
+        self._wrap(together, "transaction", "transaction (take .. give back)")
         self._wrap(Connections, "take", "  connection take")
         self._wrap(InboxStore, "begin_and_claim", "  BEGIN + claim (round trip)")
-        self._wrap(processor.PartitionProcessor, "_run_batch", "  batch handler: parse + call")
+        self._wrap(Dispatch, "run_batch", "  batch handler: parse + call")
         self._wrap(Handler, "call_batch", "    the handler's INSERT")
-        self._wrap(processor, "_commit", "  flush + COMMIT")
-        self._wrap(processor.PartitionProcessor, "_mark", "marker written alone")
-        self._wrap(processor, "process_together", "shared transaction (sharer)")
+        self._wrap(transaction, "_commit", "  flush + COMMIT")
+        self._wrap(AttemptMarker, "mark", "marker written alone")
+        self._wrap(together, "process_together", "shared transaction (sharer)")
         self._wrap(processor.PartitionProcessor, "process", "lane's own task run")
 
     def uninstall(self) -> None:

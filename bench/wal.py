@@ -29,11 +29,11 @@ from pathlib import Path
 import psycopg
 from aiokafka import TopicPartition
 
-from bench.common import create_topic
+from bench.common import create_topic, relay_env
 from bench.cpuprofile import CpuProfile
 from outbox import Message, Outbox
-from outbox.daemon import kafka_consumer
 from outbox.db import sync_engine
+from outbox.kafka.clients import kafka_consumer
 from outbox.settings import OutboxSettings
 
 KEYS = 1000
@@ -95,8 +95,6 @@ def fill_wal(settings: OutboxSettings, topic: str, rows: int) -> None:
 def profiled_relay(settings: OutboxSettings, logs: Path, name: str) -> subprocess.Popen[bytes]:
     """One relay at INFO under the CPU-time profiler (``bench/steady_profile.py``: samples
     from SIGUSR1 to SIGUSR2, written beside its log); :func:`drain` reports them."""
-    from bench.relay import relay_env  # bench.relay imports this module
-
     script = Path(__file__).with_name("steady_profile.py")
     return subprocess.Popen(
         [sys.executable, str(script), str(logs / f"{name}.pickle"), "relay"],

@@ -20,13 +20,23 @@ from typer.core import TyperGroup
 
 from cli import config, console, consume, db, dlq, effects, ops, relay, topics, wal
 from cli.context import configure_logging, describe, error, run
+from cli.params import plain_help_types, plain_type
 from outbox.settings import load_settings
 
 
 class RootGroup(TyperGroup):
     """Moves the root's own options to the front of the command line, wherever they were
     written, so every sub-command accepts them without declaring them (the option list
-    comes from the root callback's parameters; ``--`` ends the search)."""
+    comes from the root callback's parameters; ``--`` ends the search). Built with every
+    command below it, it gives them all plain help types (:func:`cli.params.plain_help_types`)."""
+
+    def __init__(self, **attrs: Any) -> None:
+        super().__init__(**attrs)
+        plain_help_types(self)
+
+    def get_params(self, ctx: Any) -> list[Any]:
+        # The shell-completion flags are added to the root after it is built.
+        return [plain_type(p) for p in super().get_params(ctx)]
 
     def parse_args(self, ctx: Any, args: list[str]) -> list[str]:  # typer's vendored Context
         return super().parse_args(ctx, self.hoist(args))
@@ -135,32 +145,35 @@ def _root(
 
 
 def main() -> None:
-    """The console script. An error nobody translated into a clear message is still one
-    line (exit 1); ``--log-level debug`` shows its traceback."""
+    """The console script. Every error is one line on stderr, ``error: Class: message`` (one
+    JSON record under ``--json-logs``): click's usage errors (exit 2) as the commands' own,
+    and an error nobody translated into a clear message (exit 1); ``--log-level debug``
+    shows the latter's traceback."""
     args = sys.argv[1:]
-    json_logs = "--json-logs" in args[: args.index("--") if "--" in args else None]
+    if "--json-logs" in args[: args.index("--") if "--" in args else None]:
+        configure_logging(LogLevel.INFO, json_logs=True)  # the root callback sets the level
     try:
-        if json_logs:
-            _main_json()
-        else:
-            app(prog_name="outbox")  # also under `python -m cli`
+        code = app(prog_name="outbox", standalone_mode=False)  # also under `python -m cli`
+    except typer.Abort:  # Ctrl-C or end of input at a prompt
+        error("Abort: nothing done")
+        code = 1
+    except typer.TyperException as exc:  # click's usage errors: an option, an argument
+        code = _usage_error(exc)
     except Exception as exc:
         if logging.getLogger().isEnabledFor(logging.DEBUG):
             raise
         error(f"{describe(exc)} (run with --log-level debug for the traceback)")
-        sys.exit(1)
-
-
-def _main_json() -> None:
-    """Under ``--json-logs`` usage errors are JSON records too, not Rich panels: stderr
-    carries one format only (even for an error in the root's own options)."""
-    configure_logging(LogLevel.INFO, json_logs=True)  # the root callback sets the level
-    try:
-        code = app(prog_name="outbox", standalone_mode=False)
-    except typer.Abort:
-        error("aborted")
         code = 1
-    except typer.TyperException as exc:  # click's usage errors
-        error(getattr(exc, "format_message", exc.__str__)())
-        code = getattr(exc, "exit_code", 2)
     sys.exit(code if isinstance(code, int) else 0)
+
+
+def _usage_error(exc: typer.TyperException) -> int:
+    """One line for a usage error; the help a command without arguments printed suffices."""
+    code = getattr(exc, "exit_code", 2)
+    if type(exc).__name__ == "NoArgsIsHelpError":  # typer printed the help already
+        return int(code)
+    ctx = getattr(exc, "ctx", None)
+    hint = f" (see `{ctx.command_path} -h`)" if ctx is not None else ""
+    message = getattr(exc, "format_message", exc.__str__)()
+    error(f"{type(exc).__name__}: {message}{hint}")
+    return int(code)

@@ -11,10 +11,19 @@ import typer
 from cli.context import notice, run, settings_of
 from inbox import Consumer, ConsumerAppNotFound, ConsumerDaemon, Metrics
 from outbox import aio
-from outbox.daemon import early_stop_signals, serve_http, stop_on_signals
 from outbox.errors import ConfigurationError
 from outbox.imports import import_target
+from outbox.lifecycle import early_stop_signals, serve_http, stop_on_signals
 from outbox.settings import ConsumerSettings, OutboxSettings
+from outbox.wording import counted
+
+# The consumer's counters (inbox/metrics.py) whose name is a plural noun.
+_SINGULAR = {
+    "duplicates": "duplicate",
+    "retries": "retry",
+    "dead_letters_refused": "dead_letter_refused",
+    "transactions": "transaction",
+}
 
 
 def load_consumer(target: str) -> Consumer:
@@ -79,7 +88,7 @@ def consume(
             server = serve_http(metrics.registry, metrics_port, daemon.healthy, name="inbox-http")
         notice(
             f"consumer {app.name} on {', '.join(app.topics)} "
-            f"({len(app.handlers) + len(app.topic_handlers)} handlers, "
+            f"({counted(len(app.handlers) + len(app.topic_handlers), 'handler')}, "
             f"database {daemon.settings.safe_database_url}"
             + (f", group instance id {member}" if member else "")
             + ")",
@@ -88,10 +97,13 @@ def consume(
             group_instance_id=member,
         )
         try:
-            run(lambda: aio.run(_serve(daemon, early_stop)))
+            run(lambda: aio.run_daemon(_serve(daemon, early_stop)))
         finally:
             if server is not None:
                 server.shutdown()
     counts = metrics.counts
-    summary = ", ".join(f"{n} {name.replace('_', ' ')}" for name, n in counts.items())
+    summary = ", ".join(
+        f"{n} {(_SINGULAR.get(name, name) if n == 1 else name).replace('_', ' ')}"
+        for name, n in counts.items()
+    )
     notice(f"stopped: {summary}", style="green", consumer=app.name, **counts)

@@ -10,6 +10,7 @@ from cli import wal
 from cli.context import notice, out, run, settings_of
 from outbox import migrate
 from outbox.roles import roles_sql
+from outbox.sources import source_of
 
 app = typer.Typer(help="Create and inspect the framework's tables.", no_args_is_help=True)
 
@@ -23,7 +24,7 @@ def upgrade(ctx: typer.Context, revision: str = typer.Argument("head")) -> None:
     run(lambda: migrate.upgrade(settings, revision, progress=notice))
     at = run(lambda: migrate.current(settings))
     notice(f"at revision {at}", style="green", revision=at)
-    if settings.source == "wal":
+    if source_of(settings).reads_slot:
         wal.set_up(settings)
 
 

@@ -8,13 +8,12 @@ from enum import StrEnum
 from typing import Any, TypeVar
 
 import typer
-from rich.console import Console
-from rich.table import Table
 
-from cli.context import error, notice, out, print_json, run, settings_of
+from cli.context import notice, out, print_json, print_results, run, settings_of, table, usage
 from outbox.db import sync_engine
 from outbox.effects import EffectRecord, Effects
 from outbox.settings import OutboxSettings
+from outbox.wording import counted
 
 app = typer.Typer(help="Inspect and resolve the side-effect ledger.", no_args_is_help=True)
 T = TypeVar("T")
@@ -52,9 +51,9 @@ def list_(
     if as_json:
         print_json([r.to_dict() for r in records])
         return
-    table = Table("key", "state", "dependency", "attempts", "updated", "last error")
+    listed = table("key", "state", "dependency", "attempts", "updated", "last error")
     for r in records:
-        table.add_row(
+        listed.add_row(
             r.key,
             r.state + (" (live)" if r.state == "pending" and r.lease_live else ""),
             r.dependency,
@@ -62,9 +61,8 @@ def list_(
             r.updated_at.isoformat(timespec="seconds"),
             r.last_error or "-",
         )
-    # Piped output (grep, scripts) must not be cut to 80 columns with ellipses.
-    (out if out.is_terminal else Console(width=1_000)).print(table)
-    notice(f"{len(records)} effects", count=len(records))
+    print_results(listed)
+    notice(counted(len(records), "effect"), count=len(records))
 
 
 @app.command()
@@ -101,15 +99,13 @@ def resolve(
     """Decide an unknown effect (or a pending one whose caller died) after checking the
     dependency by hand. Exactly one of --applied / --not-applied."""
     if (applied is None) == (not not_applied):
-        error("give exactly one of --applied RESULT_JSON or --not-applied")
-        raise typer.Exit(1)
+        usage("give exactly one of --applied RESULT_JSON or --not-applied")
     result: Any = None
     if applied is not None:
         try:
             result = json.loads(applied)
         except ValueError as exc:
-            error(f"--applied is not valid JSON: {exc.args[0] if exc.args else exc}")
-            raise typer.Exit(1) from None
+            usage(f"--applied is not valid JSON: {exc.args[0] if exc.args else exc}")
     _with(
         settings_of(ctx),
         lambda fx, engine: fx.resolve(engine, key, applied=applied is not None, result=result),

@@ -13,43 +13,31 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import re
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import typer
 from rich.console import Group
 from rich.live import Live
-from rich.table import Table
 from rich.text import Text
 
-from cli.context import error, notice, out, print_json, run, settings_of
-from outbox.daemon import stop_on_signals
+from cli.context import error, notice, out, print_json, print_results, run, settings_of, table
+from cli.params import DURATION, duration, renamed
 from outbox.db import async_engine
 from outbox.errors import ConfigurationError
+from outbox.lifecycle import stop_on_signals
 from outbox.ops.cleanup import Retention, TargetResult, run_cleanup
 from outbox.ops.doctor import DoctorOptions, diagnose, exit_code, to_dicts
 from outbox.ops.findings import Finding
 from outbox.ops.lag import LagReport, RateTracker, Thresholds, WalLag, collect
 from outbox.ops.wal_health import mib
 from outbox.settings import OutboxSettings
+from outbox.wording import counted
 
 app = typer.Typer()
 KAFKA_FAILED = 1
 THRESHOLD_EXCEEDED = 3
 T = TypeVar("T")
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*$")
-_UNIT_SECONDS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
-
-
-def parse_duration(value: str | None, option: str) -> float | None:
-    """``90``, ``90s``, ``15m``, ``36h``, ``7d`` -> seconds."""
-    if value is None:
-        return None
-    match = _DURATION.match(value)
-    if not match:
-        raise ConfigurationError(f"{option} {value!r} is not a duration like 90s, 15m, 36h or 7d")
-    return float(match[1]) * _UNIT_SECONDS[match[2]]
 
 
 def _with_engine(settings: OutboxSettings, work: Callable[[Any], Awaitable[T]]) -> T:
@@ -87,22 +75,17 @@ def _lanes(lanes: list[int]) -> str:
 # ----------------------------------------------------------------------------------- lag
 
 
-def _positive(value: float | None) -> float | None:
-    if value is not None and value <= 0:
-        raise typer.BadParameter(f"{value:g} is not a number of seconds above 0")
-    return value
-
-
 _STALE_OPTION = typer.Option(
     None,
     "--stale-after",
-    callback=_positive,
-    help="A relay without heartbeat for this long (s) is stale [default: 5 heartbeats].",
+    parser=duration(0, above=True),
+    metavar=DURATION,
+    help="A relay without heartbeat for this long is stale [default: 5 heartbeats].",
 )
 
 
 def _render_lag(report: LagReport, breaches: list[str]) -> Group:
-    topics = Table(title=f"outbox ({report.mode}-mode) at {report.taken_at:%H:%M:%S} db time")
+    topics = table(title=f"outbox ({report.mode}-mode) at {report.taken_at:%H:%M:%S} db time")
     for name in ("topic", "pending", "due", "oldest", "failed", "rate/s", "partitions"):
         topics.add_column(name, justify="left" if name == "topic" else "right")
     for t in report.topics:
@@ -117,23 +100,26 @@ def _render_lag(report: LagReport, breaches: list[str]) -> Group:
             rate,
             parts,
         )
-    relays = Table(title=f"relays ({len(report.unowned_lanes)}/{report.lanes} lanes unowned)")
-    for name in ("relay", "host", "pid", "heartbeat", "lanes", "state"):
+    unowned = f" ({len(report.unowned_lanes)}/{report.lanes} lanes unowned)"
+    relays = table(title="relays" + (unowned if report.lanes_needed else ""))
+    for name in ("relay", "host", "pid", "source", "heartbeat", "lanes", "state"):
         relays.add_column(name)
     for r in report.relays:
         relays.add_row(
             r.relay_id,
             r.hostname,
             str(r.pid),
+            r.source,
             _age(r.heartbeat_age_seconds) + " ago",
             _lanes(r.lanes),
-            "[green]alive[/]" if r.alive else "[red]stale[/]",
+            ("[green]alive[/]" if r.alive else "[red]stale[/]")
+            + (", maintenance" if r.maintenance else ""),
         )
-    groups = Table(title="consumer groups")
+    groups = table(title="consumer groups")
     for name in ("group", "topic", "partition", "end", "committed", "lag", "dead letters"):
         groups.add_column(name, justify="left" if name in ("group", "topic") else "right")
     for g in report.groups:
-        dead = f"{g.dead_letters} ({g.dead_letters_last_hour} last hour)"
+        dead = f"{g.dead_letters} ({g.dead_letters_last_hour} in the last hour)"
         if g.error:
             groups.add_row(g.group, f"[red]{g.error}[/]", "", "", "", "", dead)
         for p in g.partitions:
@@ -160,19 +146,32 @@ def _render_lag(report: LagReport, breaches: list[str]) -> Group:
 _SNAPSHOT_NOTICE_SECONDS = 60.0
 
 
+def _relays_line(report: LagReport) -> str:
+    """Live and stale relays, each live one with its source and pid, the lanes owned, and
+    which relay runs maintenance."""
+    stale = len(report.relays) - len(report.live_relays)
+    live = ", ".join(f"{r.source} pid {r.pid} on {r.hostname}" for r in report.live_relays)
+    line = f"{len(report.live_relays)} live" + (f" ({live})" if live else "") + f", {stale} stale"
+    if report.lanes_needed:
+        line += f", {report.lanes - len(report.unowned_lanes)}/{report.lanes} lanes owned"
+    leader = report.maintenance_relay
+    return line + (f"; maintenance on {leader.relay_id}" if leader else "; no maintenance leader")
+
+
 def _snapshot_held(report: LagReport) -> bool:
     holder = report.vacuum.holder if report.vacuum else None
     return holder is not None and (holder.seconds or 0) > _SNAPSHOT_NOTICE_SECONDS
 
 
 def _vacuum_line(report: LagReport) -> str:
-    """The outbox's dead rows and what holds back VACUUM, on one line."""
+    """The outbox's dead tuples (row versions VACUUM has yet to remove: not failed rows)
+    and what holds back VACUUM, on one line."""
     v = report.vacuum
     if v is None:
         return "vacuum: unknown"
     dead = "unknown" if v.dead_rows is None else str(v.dead_rows)
     held = v.holder.describe() if v.holder else "none"
-    return f"vacuum: outbox {dead} dead rows; oldest snapshot: {held}"
+    return f"vacuum: outbox {dead} dead tuples (not yet vacuumed); oldest snapshot: {held}"
 
 
 def _wal_line(wal: WalLag, label: str = "wal slot") -> Text:
@@ -207,13 +206,16 @@ def lag(
     ctx: typer.Context,
     as_json: bool = typer.Option(False, "--json", help="Print one JSON document."),
     watch: bool = typer.Option(False, "--watch", help="Refresh in place until Ctrl-C."),
-    interval: float = typer.Option(2.0, "--interval", min=0.2, help="Seconds between refreshes."),
+    interval: float = typer.Option(
+        "2s", "--interval", parser=duration(0.2), metavar=DURATION, help="Between refreshes."
+    ),
     max_age: float | None = typer.Option(
         None,
         "--max-age",
-        min=0,
+        parser=duration(),
+        metavar=DURATION,
         help="Exit 3 when the oldest due pending event (WAL source: the oldest transaction "
-        "the slot has not confirmed) is older (seconds).",
+        "the slot has not confirmed) is older.",
     ),
     max_pending: int | None = typer.Option(
         None, "--max-pending", min=0, help="Exit 3 when more events are pending."
@@ -240,10 +242,11 @@ def lag(
     stale_after: float | None = _STALE_OPTION,
     kafka: bool = typer.Option(True, "--kafka/--no-kafka", help="Ask Kafka too."),
     rate_sample: float = typer.Option(
-        1.0,
+        "1s",
         "--rate-sample",
-        min=0,
-        help="Delete-mode: seconds between the two Kafka end-offset samples of a one-shot "
+        parser=duration(),
+        metavar=DURATION,
+        help="Delete-mode: time between the two Kafka end-offset samples of a one-shot "
         "publish rate (0: no rate).",
     ),
 ) -> None:
@@ -272,26 +275,27 @@ def lag(
         if as_json:
             out.print(_lag_json(report, breaches), markup=False, highlight=False, soft_wrap=True)
         else:
-            out.print(_render_lag(report, breaches))
+            print_results(_render_lag(report, breaches))
         return report, breaches
 
     async def watching(engine: Any) -> tuple[LagReport | None, list[str]]:
         stop = asyncio.Event()
         breaches: list[str] = []
         report: LagReport | None = None
-        with (
-            stop_on_signals(stop.set),
-            Live(console=out, auto_refresh=False, transient=False) as live,
-        ):
+        # In place on a terminal; elsewhere (a log, CI) one report after the other.
+        live = Live(console=out, auto_refresh=False) if out.is_terminal and not as_json else None
+        with stop_on_signals(stop.set), live or contextlib.nullcontext():
             while not stop.is_set():
                 report = await snapshot(engine)
                 breaches = thresholds.breaches(report)
                 if as_json:
-                    live.console.print(
+                    out.print(
                         _lag_json(report, breaches), markup=False, highlight=False, soft_wrap=True
                     )
-                else:
+                elif live is not None:
                     live.update(_render_lag(report, breaches), refresh=True)
+                else:
+                    print_results(_render_lag(report, breaches))
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stop.wait(), interval)
         return report, breaches
@@ -299,11 +303,12 @@ def lag(
     last, breaches = _with_engine(settings, watching if watch else once)
     if last is not None and last.kafka_failed:
         # A probe that asked Kafka and got no answer must not pass as healthy.
-        error(f"Kafka did not answer: {last.kafka_error or 'see the consumer groups above'}")
+        reason = last.kafka_error or "see the consumer groups above"
+        error(f"BrokerUnavailable: Kafka did not answer: {reason}")
         raise typer.Exit(KAFKA_FAILED)
     if breaches:
         for b in breaches:
-            error(f"threshold exceeded: {b}", breach=b)
+            error(f"ThresholdExceeded: {b}", breach=b)
         raise typer.Exit(THRESHOLD_EXCEEDED)
 
 
@@ -324,11 +329,15 @@ def _parse_topics(specs: list[str]) -> dict[str, int | None]:
 
 def _doctor_options(
     topics: list[str],
-    idle_seconds: float,
-    snapshot_seconds: float,
+    idle: tuple[float, float | None],
+    snapshot: tuple[float, float | None],
     stale_after: float | None,
     kafka: bool,
 ) -> DoctorOptions:
+    """``idle`` and ``snapshot``: the option's duration and its deprecated seconds."""
+    idle_seconds = renamed(*idle, old="--idle-seconds", new="--idle-longer-than")
+    snapshot_seconds = renamed(*snapshot, old="--snapshot-seconds", new="--snapshot-older-than")
+    assert idle_seconds is not None and snapshot_seconds is not None  # both have defaults
     return DoctorOptions(
         topics=run(lambda: _parse_topics(topics)),
         idle_seconds=idle_seconds,
@@ -339,28 +348,36 @@ def _doctor_options(
 
 
 def _print_findings(findings: list[Finding], show_ok: bool) -> None:
-    table = Table(show_lines=False)
+    shown = table()
     for name in ("level", "check", "finding", "what to do"):
-        table.add_column(name, overflow="fold")
+        shown.add_column(name, overflow="fold")
     for f in findings:
         if f.level == "ok" and not show_ok:
             continue
-        table.add_row(_LEVEL_STYLE[f.level], f.check, f.what, f.action or "")
-    out.print(table)
+        shown.add_row(_LEVEL_STYLE[f.level], f.check, f.what, f.action or "")
+    print_results(shown)
 
 
 _TOPIC_OPTION = typer.Option(
     [], "--topic", help="Topic that must exist, as NAME or NAME:PARTITIONS (repeatable)."
 )
 _IDLE_OPTION = typer.Option(
-    60.0, "--idle-seconds", min=0, help="Flag sessions idle in a transaction for longer."
+    "60s",
+    "--idle-longer-than",
+    parser=duration(),
+    metavar=DURATION,
+    help="Flag sessions idle in a transaction for longer than this.",
 )
 _SNAPSHOT_OPTION = typer.Option(
-    60.0,
-    "--snapshot-seconds",
-    min=0,
+    "60s",
+    "--snapshot-older-than",
+    parser=duration(),
+    metavar=DURATION,
     help="Flag a snapshot holding back VACUUM, or an open outbox writer, older than this.",
 )
+# Deprecated spellings in seconds, still accepted (cli.params.renamed says what to write).
+_IDLE_SECONDS = typer.Option(None, "--idle-seconds", min=0, hidden=True)
+_SNAPSHOT_SECONDS = typer.Option(None, "--snapshot-seconds", min=0, hidden=True)
 
 
 @app.command()
@@ -369,14 +386,22 @@ def doctor(
     as_json: bool = typer.Option(False, "--json", help="Print the findings as JSON."),
     strict: bool = typer.Option(False, "--strict", help="Exit 2 when there are warnings."),
     topics: list[str] = _TOPIC_OPTION,
-    idle_seconds: float = _IDLE_OPTION,
-    snapshot_seconds: float = _SNAPSHOT_OPTION,
+    idle_longer_than: float = _IDLE_OPTION,
+    snapshot_older_than: float = _SNAPSHOT_OPTION,
     stale_after: float | None = _STALE_OPTION,
     kafka: bool = typer.Option(True, "--kafka/--no-kafka", help="Check Kafka topics too."),
+    idle_seconds: float | None = _IDLE_SECONDS,
+    snapshot_seconds: float | None = _SNAPSHOT_SECONDS,
 ) -> None:
     """Check a deployment; every finding says what to do. Exit 1 on errors."""
     settings = settings_of(ctx)
-    options = _doctor_options(topics, idle_seconds, snapshot_seconds, stale_after, kafka)
+    options = _doctor_options(
+        topics,
+        (idle_longer_than, idle_seconds),
+        (snapshot_older_than, snapshot_seconds),
+        stale_after,
+        kafka,
+    )
     findings = _with_engine(settings, lambda engine: diagnose(engine, settings, options))
     if as_json:
         print_json(to_dicts(findings))
@@ -390,13 +415,21 @@ def status(
     ctx: typer.Context,
     as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
     topics: list[str] = _TOPIC_OPTION,
-    idle_seconds: float = _IDLE_OPTION,
-    snapshot_seconds: float = _SNAPSHOT_OPTION,
+    idle_longer_than: float = _IDLE_OPTION,
+    snapshot_older_than: float = _SNAPSHOT_OPTION,
     stale_after: float | None = _STALE_OPTION,
+    idle_seconds: float | None = _IDLE_SECONDS,
+    snapshot_seconds: float | None = _SNAPSHOT_SECONDS,
 ) -> None:
     """A short summary: backlog, relays, consumers, and the doctor's problems."""
     settings = settings_of(ctx)
-    options = _doctor_options(topics, idle_seconds, snapshot_seconds, stale_after, kafka=True)
+    options = _doctor_options(
+        topics,
+        (idle_longer_than, idle_seconds),
+        (snapshot_older_than, snapshot_seconds),
+        stale_after,
+        kafka=True,
+    )
 
     async def both(engine: Any) -> tuple[LagReport, list[Finding]]:
         report = await collect(engine, settings, topics=topics, stale_after=stale_after)
@@ -410,8 +443,13 @@ def status(
         groups = {
             g.group: {"lag": g.total_lag, "dead_letters": g.dead_letters} for g in report.groups
         }
+        relays = [
+            {k: r[k] for k in ("relay_id", "hostname", "pid", "source", "alive", "maintenance")}
+            for r in report.to_dict()["relays"]
+        ]
         data = {
             "totals": totals,
+            "relays": relays,
             "groups": groups,
             "vacuum": report.to_dict()["vacuum"],
             "wal": report.to_dict()["wal"],
@@ -420,14 +458,11 @@ def status(
         }
         print_json(data)
         raise typer.Exit(code)
-    stale = len(report.relays) - len(report.live_relays)
-    owned = report.lanes - len(report.unowned_lanes)
     out.print(
         f"database {settings.safe_database_url} schema {settings.db_schema} ({report.mode}-mode)\n"
         f"outbox   {report.pending} pending, oldest {_age(report.oldest_pending_age_seconds)}, "
         f"{report.failed} failed\n"
-        f"relays   {len(report.live_relays)} live, {stale} stale, "
-        f"{owned}/{report.lanes} lanes owned\n"
+        f"relays   {_relays_line(report)}\n"
         f"{_vacuum_line(report).replace('vacuum: ', 'vacuum   ', 1)}",
         highlight=False,
     )
@@ -436,12 +471,13 @@ def status(
     for g in report.groups:
         out.print(
             f"consumer {g.group}: lag {'unknown' if g.total_lag is None else g.total_lag}, "
-            f"{g.dead_letters} dead letters" + (f" ({g.error})" if g.error else ""),
+            f"{counted(g.dead_letters, 'dead letter')}" + (f" ({g.error})" if g.error else ""),
             highlight=False,
         )
     counts = {level: sum(f.level == level for f in findings) for level in ("ok", "warn", "error")}
     out.print(
-        f"doctor   {counts['ok']} ok, {counts['warn']} warnings, {counts['error']} errors",
+        f"doctor   {counts['ok']} ok, {counted(counts['warn'], 'warning')}, "
+        f"{counted(counts['error'], 'error')}",
         highlight=False,
     )
     if counts["warn"] or counts["error"]:
@@ -458,19 +494,27 @@ def cleanup(
     dry_run: bool = typer.Option(False, "--dry-run", help="Only count what would be deleted."),
     as_json: bool = typer.Option(False, "--json", help="Print the totals as JSON."),
     batch_size: int = typer.Option(1000, "--batch-size", min=1, max=100_000),
-    published_older_than: str | None = typer.Option(
+    published_older_than: float | None = typer.Option(
         None,
         "--published-older-than",
+        parser=duration(),
+        metavar=DURATION,
         help="Published outbox rows to delete (default: relay.keep_published_hours; "
         "nothing in delete-mode).",
     ),
-    inbox_older_than: str | None = typer.Option(
+    inbox_older_than: float | None = typer.Option(
         None,
         "--inbox-older-than",
+        parser=duration(),
+        metavar=DURATION,
         help="Inbox rows to delete (default: consumer.dedupe_window_days).",
     ),
-    failed_older_than: str | None = typer.Option(
-        None, "--failed-older-than", help="Also delete failed rows this old (e.g. 30d)."
+    failed_older_than: float | None = typer.Option(
+        None,
+        "--failed-older-than",
+        parser=duration(),
+        metavar=DURATION,
+        help="Also delete failed rows this old (e.g. 30d).",
     ),
     idempotency: bool = typer.Option(
         True, "--idempotency/--no-idempotency", help="Purge expired idempotency records."
@@ -480,29 +524,28 @@ def cleanup(
         "--effects/--no-effects",
         help="Purge effect-ledger records (done/failed) past their dedupe window.",
     ),
-    pause: float = typer.Option(0.0, "--pause", min=0, help="Seconds to sleep between batches."),
+    pause: float = typer.Option(
+        "0s", "--pause", parser=duration(), metavar=DURATION, help="Sleep between batches."
+    ),
 ) -> None:
     """Delete rows past retention in short, bounded batches that never lock a table."""
     settings = settings_of(ctx)
     default = Retention.from_settings(settings)
-    retention = run(
-        lambda: Retention(
-            published_seconds=parse_duration(published_older_than, "--published-older-than")
-            if published_older_than is not None
-            else default.published_seconds,
-            inbox_seconds=parse_duration(inbox_older_than, "--inbox-older-than")
-            if inbox_older_than is not None
-            else default.inbox_seconds,
-            failed_seconds=parse_duration(failed_older_than, "--failed-older-than"),
-            idempotency=idempotency,
-            effects=effects,
-        )
+    retention = Retention(
+        published_seconds=default.published_seconds
+        if published_older_than is None
+        else published_older_than,
+        inbox_seconds=default.inbox_seconds if inbox_older_than is None else inbox_older_than,
+        failed_seconds=failed_older_than,
+        idempotency=idempotency,
+        effects=effects,
     )
 
     def progress(result: TargetResult) -> None:
         if not as_json and result.batches % 10 == 1:
             notice(
-                f"  {result.target}: {result.deleted} deleted ({result.batches} batches)",
+                f"  {result.target}: {result.deleted} deleted "
+                f"({counted(result.batches, 'batch', 'batches')})",
                 target=result.target,
                 deleted=result.deleted,
             )

@@ -107,7 +107,7 @@ def cli_markdown() -> str:
 
 # Modules never imported to find error classes: Alembic's env runs migrations on import,
 # and ``python -m cli`` runs the CLI.
-_SKIP = re.compile(r"^outbox\.migrations\b|\.__main__$")
+_SKIP = re.compile(r"^outbox\.migrations\b|\.__main__\Z")
 PACKAGES = ("outbox", "relay", "inbox", "cli")
 
 

@@ -2,19 +2,22 @@
 
 from __future__ import annotations
 
+import contextlib
 import enum
 
 import typer
-from rich.table import Table
 
 import relay
-from cli.context import confirm, error, not_found, out, run, settings_of
-from outbox import aio
+from cli.context import confirm, not_found, out, print_results, run, settings_of, table, usage
+from cli.params import DURATION, duration, renamed, shown
+from outbox import aio, migrate
+from outbox.errors import DatabaseUnavailable
+from outbox.settings import OutboxSettings
+from outbox.sources import SOURCES
+from outbox.wording import counted
 
-
-class Source(enum.StrEnum):
-    table = "table"
-    wal = "wal"
+# The values of --source: the sources of the registry (outbox/sources.py).
+Source = enum.StrEnum("Source", {name: name for name in SOURCES})  # type: ignore[misc]
 
 
 app = typer.Typer()  # merged into the root: `outbox relay` and `outbox failed ...`
@@ -38,14 +41,22 @@ def relay_command(
     settings = settings_of(ctx)
     if source is not None:
         settings = settings.model_copy(update={"source": source.value})
+    run(lambda: _schema_ready(settings.for_relay()))
     daemon = relay.Relay(settings, metrics_port=metrics_port)
-    run(lambda: aio.run(daemon.serve()))
+    run(lambda: aio.run_daemon(daemon.serve()))
+
+
+def _schema_ready(settings: OutboxSettings) -> None:
+    """Tables missing or behind this version: exit 2 before taking lanes. A database that
+    does not answer yet is the relay's to wait for (its loops retry, and meet a missing
+    table as the same error)."""
+    with contextlib.suppress(DatabaseUnavailable):
+        migrate.check_schema(settings)
 
 
 def _ids(ids: list[int], all_: bool, verb: str) -> list[int] | None:
     if all_ == bool(ids):
-        error(f"give the ids to {verb}, or --all")
-        raise typer.Exit(2)
+        usage(f"give the ids to {verb}, or --all")
     return None if all_ else ids
 
 
@@ -58,9 +69,11 @@ def list_command(
     """Show failed rows (oldest first) and their last error."""
     settings = settings_of(ctx)
     rows, total = run(lambda: relay.list_failed(settings, topic=topic, limit=limit))
-    table = Table("id", "event_id", "topic", "type", "attempts", "bytes", "failed_at", "last_error")
+    listed = table(
+        "id", "event_id", "topic", "type", "attempts", "bytes", "failed_at", "last_error"
+    )
     for r in rows:
-        table.add_row(
+        listed.add_row(
             str(r.id),
             r.event_id,
             r.topic,
@@ -70,8 +83,8 @@ def list_command(
             r.failed_at.isoformat(timespec="seconds"),
             r.last_error or "",
         )
-    out.print(table)
-    out.print(f"{total} failed row(s)", highlight=False)
+    print_results(listed)
+    out.print(counted(total, "failed row"), highlight=False)
 
 
 @failed_app.command("retry")
@@ -80,12 +93,13 @@ def retry_command(
     ids: list[int] = typer.Argument(None, help="Row ids (from `outbox failed list`)."),
     all_: bool = typer.Option(False, "--all", help="Retry every failed row."),
 ) -> None:
-    """Move failed rows back into the outbox with attempts reset."""
+    """Move failed rows back into the outbox, attempts reset: the same event id (consumers
+    still deduplicate it) in a new outbox row, after newer events of its key."""
     settings = settings_of(ctx)
     chosen = _ids(ids or [], all_, "retry")
     moved = run(lambda: relay.retry_failed(settings, chosen))
     if moved or chosen is None:
-        out.print(f"requeued {len(moved)} row(s)", highlight=False)
+        out.print(f"requeued {counted(len(moved), 'row')}", highlight=False)
     not_found("failed row", sorted(set(chosen or ()) - set(moved)))
 
 
@@ -94,23 +108,28 @@ def purge_command(
     ctx: typer.Context,
     ids: list[int] = typer.Argument(None, help="Row ids (from `outbox failed list`)."),
     all_: bool = typer.Option(False, "--all", help="Delete every failed row."),
-    older_than_hours: float | None = typer.Option(
-        None, "--older-than-hours", min=0, help="Only rows that failed longer ago than this."
+    older_than: float | None = typer.Option(
+        None,
+        "--older-than",
+        parser=duration(),
+        metavar=DURATION,
+        help="Only rows that failed longer ago than this (90s, 30m, 12h, 30d).",
     ),
+    older_than_hours: float | None = typer.Option(None, "--older-than-hours", min=0, hidden=True),
     yes: bool = typer.Option(False, "--yes", "-y", help="Do not ask before purging many."),
 ) -> None:
     """Delete failed rows for good. Purging --all or by age asks first (or needs --yes
     without a terminal)."""
     settings = settings_of(ctx)
-    chosen = (
-        None
-        if older_than_hours is not None and not ids and not all_
-        else _ids(ids or [], all_, "purge")
+    older = renamed(
+        older_than, older_than_hours, old="--older-than-hours", new="--older-than", unit=3600
     )
+    chosen = None if older is not None and not ids and not all_ else _ids(ids or [], all_, "purge")
     if chosen is None:
-        age = "" if older_than_hours is None else f" older than {older_than_hours:g} hours"
+        age = "" if older is None else f" older than {shown(older)}"
         confirm(f"delete every failed row{age}", yes=yes)
-    deleted = run(lambda: relay.purge_failed(settings, chosen, older_than_hours))
+    hours = None if older is None else older / 3600
+    deleted = run(lambda: relay.purge_failed(settings, chosen, hours))
     if deleted or chosen is None:
-        out.print(f"purged {len(deleted)} row(s)", highlight=False)
+        out.print(f"purged {counted(len(deleted), 'row')}", highlight=False)
     not_found("failed row", sorted(set(chosen or ()) - set(deleted)))

@@ -12,7 +12,7 @@ import asyncio
 import typer
 
 from cli.consume import load_consumer
-from cli.context import error, out, print_json, run, settings_of
+from cli.context import out, print_json, run, settings_of, usage
 from outbox.ops.topics import TopicResult, TopicSpec, consumer_topics, ensure, relay_topics
 
 app = typer.Typer(help="Kafka topics the deployment needs.", no_args_is_help=True)
@@ -51,11 +51,10 @@ def ensure_command(
 
     specs = run(wanted)
     if not specs:
-        error(
+        usage(
             "no topics: give --topic NAME[:PARTITIONS] / --app MODULE:ATTR, "
             "or set OUTBOX_TOPICS__NAMES"
         )
-        raise typer.Exit(2)
     results = run(lambda: asyncio.run(ensure(settings, specs)))
     if as_json:
         print_json([r.to_dict() for r in results])

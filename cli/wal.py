@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from logging import WARNING
 
 import typer
 
 from cli.context import error, notice, out, reported_errors, settings_of
+from cli.params import DURATION, duration, shown
 from outbox.errors import WalSetupError
-from outbox.ops import wal_drain, wal_slot
+from outbox.ops import wal_drain, wal_failover, wal_slot
 from outbox.settings import OutboxSettings
 
 # wait-drained: how often it says how far the slot still is.
@@ -34,6 +36,16 @@ def setup(
         help="With --print-sql: also grant REPLICATION to this login role (the relay's: it "
         "reads and advances the slot).",
     ),
+    wait_synced: bool = typer.Option(
+        False,
+        "--wait-synced",
+        help="Then wait until the standbys (OUTBOX_WAL__STANDBY_URLS; those named in "
+        "synchronized_standby_slots) have the failover slot synced: a promotion keeps it "
+        "from then on (PostgreSQL 17+; a relay must be reading the slot).",
+    ),
+    timeout: float = typer.Option(
+        600.0, "--timeout", min=0, help="With --wait-synced: give up (exit 1) after this long."
+    ),
 ) -> None:
     """Create the publication and the logical replication slot the relay reads
     (idempotent). A role that may not (REPLICATION or superuser for the slot, CREATE on
@@ -45,6 +57,55 @@ def setup(
         out.print(script, highlight=False, markup=False, soft_wrap=True)
         return
     set_up(settings)
+    if wait_synced:
+        _wait_synced(settings, timeout)
+
+
+def _progress_due() -> Callable[[float], bool]:
+    """Whether a progress line is due after ``waited`` seconds: the first at once, then one
+    every ``PROGRESS_SECONDS``."""
+    shown = [-PROGRESS_SECONDS]
+
+    def due(waited: float) -> bool:
+        if waited - shown[0] < PROGRESS_SECONDS:
+            return False
+        shown[0] = waited
+        return True
+
+    return due
+
+
+def _wait_synced(settings: OutboxSettings, timeout: float) -> None:
+    slot = settings.wal.slot
+    due = _progress_due()
+
+    def progress(state: wal_failover.SyncWait) -> None:
+        if state.synced or not due(state.waited_seconds):
+            return
+        for view in state.standbys:
+            where = view.error or ("synced" if view.synced else _not_synced(view))
+            notice(f"standby {view.url}: slot {slot} {where} ({state.waited_seconds:.0f} s)")
+
+    with reported_errors():
+        primary = wal_failover.primary_view(settings)
+        state = wal_failover.wait_synced(settings, primary, timeout, progress)
+    if not state.synced:
+        error(
+            f"slot {slot} not synced on every standby after {timeout:.0f} s: is a relay "
+            "reading it (a new slot syncs once the relay has confirmed a position)? "
+            "`outbox doctor` checks each standby's settings"
+        )
+        raise typer.Exit(1)
+    names = ", ".join(v.url for v in state.standbys)
+    notice(f"slot {slot} synced on {names}: a promotion keeps it", style="green")
+
+
+def _not_synced(view: wal_failover.StandbyView) -> str:
+    if view.slot is None:
+        return "not there yet"
+    if view.slot.get("temporary"):
+        return "being synced (waits for the relay to confirm past the standby's position)"
+    return "not synced"
 
 
 def set_up(settings: OutboxSettings) -> None:
@@ -63,6 +124,7 @@ def set_up(settings: OutboxSettings) -> None:
             raise
     if not result.publication_created and not result.slot_created:
         notice("publication and slot exist", style="green")
+    _failover_notice(settings, result)
     if result.server.max_slot_wal_keep_size < 0:
         notice(
             "max_slot_wal_keep_size is -1 (unbounded): a slot nobody reads keeps WAL on the "
@@ -76,7 +138,11 @@ def set_up(settings: OutboxSettings) -> None:
 def wait_drained(
     ctx: typer.Context,
     timeout: float = typer.Option(
-        600.0, "--timeout", min=0, help="Give up (exit 1) after this many seconds."
+        "10m",
+        "--timeout",
+        parser=duration(),
+        metavar=DURATION,
+        help="Give up (exit 1) after this long.",
     ),
 ) -> None:
     """Wait until every event written to the WAL before now is in Kafka: the slot's
@@ -88,12 +154,11 @@ def wait_drained(
     """
     settings = settings_of(ctx)
     slot = settings.wal.slot
-    shown = [-PROGRESS_SECONDS]
+    due = _progress_due()
 
     def progress(state: wal_drain.DrainState) -> None:
-        if state.drained or state.waited_seconds - shown[0] < PROGRESS_SECONDS:
+        if state.drained or not due(state.waited_seconds):
             return
-        shown[0] = state.waited_seconds
         notice(
             f"slot {slot}: {state.behind_bytes:,} bytes of WAL before {state.target} not "
             f"confirmed yet (confirmed {state.confirmed or 'nothing'}; "
@@ -105,9 +170,9 @@ def wait_drained(
         state = wal_drain.wait_drained(settings, timeout, progress)
     if not state.drained:
         error(
-            f"slot {slot} not drained after {timeout:.0f} s ({state.behind_bytes:,} bytes "
-            f"before {state.target} not confirmed): is a WAL relay reading it? `outbox lag` "
-            "and `outbox doctor` show the slot"
+            f"NotDrained: slot {slot} not drained after {shown(timeout)} "
+            f"({state.behind_bytes:,} bytes before {state.target} not confirmed): is a WAL "
+            "relay reading it? `outbox lag` and `outbox doctor` show the slot"
         )
         raise typer.Exit(1)
     notice(
@@ -115,3 +180,29 @@ def wait_drained(
         f"published (confirmed {state.confirmed}); the table relays may start",
         style="green",
     )
+
+
+def _failover_notice(settings: OutboxSettings, result: wal_slot.SetupResult) -> None:
+    """What a failover would do to the slot (docs/operations/postgresql-failover.md)."""
+    slot = settings.wal.slot
+    if result.failover in ("on", "turned on"):
+        notice(
+            f"slot {slot} is a failover slot: standbys with sync_replication_slots keep it "
+            "(`outbox doctor` checks them; `--wait-synced` waits for them)"
+        )
+    elif result.failover == "in use":
+        notice(
+            f"slot {slot} is not a failover slot and could not be made one: "
+            f"{result.failover_blocker}; stop the relay reading it, run `outbox wal setup` "
+            "again, then start the relay (a promotion loses the slot until then)",
+            style="yellow",
+            level=WARNING,
+        )
+    else:
+        notice(
+            f"PostgreSQL {result.server.major} has no failover slots: a promoted standby has no "
+            f"slot {slot}, the relay stops (exit 2), and the events committed since its "
+            f"confirmed LSN are lost to it; {wal_failover.INSTEAD}",
+            style="yellow",
+            level=WARNING,
+        )

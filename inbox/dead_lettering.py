@@ -9,23 +9,36 @@ there with the refusal, and a *marker* — the key and the ``dlq_*`` headers, no
 original headers — goes to the topic instead, naming where the record is. The refusal is
 counted and logged once per topic with what to change. ``outbox dlq`` lists, shows and
 replays such letters from the table like any other.
+
+The table also keeps why the event failed: every failed attempt that led to the dead
+letter (time, error, the stack trace and first application frame the failure carries,
+this member's host, pid and instance id, how long the attempt ran), appended to what an
+earlier delivery left (a replay that fails again adds its attempts; the first failure is
+never overwritten). The WARNING line says the message and where it failed, bounded.
 """
 
 from __future__ import annotations
 
+import datetime as dt
 import logging
-from dataclasses import dataclass
-from typing import Protocol
+import os
+import socket
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from inbox import failures, tracing
+from inbox import failures, traces, tracing
+from inbox.deadletters import REPLAY_HEADER
 from inbox.envelopes.base import EVENT_ID_HEADER
 from inbox.errors import RecordTooLargeForTopic
 from inbox.event import InboxEvent
 from inbox.failures import Failure
 from inbox.metrics import Metrics
-from inbox.store import DEAD_LETTERED, InboxStore
+from inbox.sql import DEAD_LETTERED
+from inbox.store import InboxStore
+from outbox.ops.deadletters import Attempt
 from outbox.ops.record_limits import header_room
 from outbox.settings import ConsumerSettings
 
@@ -47,6 +60,37 @@ class DeadLetterer:
     store: InboxStore
     sink: DeadLetterSink
     metrics: Metrics
+    # Who this member is, for the attempt history.
+    host: str = field(default_factory=socket.gethostname)
+    pid: int = field(default_factory=os.getpid)
+    instance: str | None = field(init=False, default=None)  # the group instance id
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "instance", self.config.instance_id(self.host))
+
+    def history(
+        self, event: InboxEvent, failures_: Sequence[Failure], attempts: int
+    ) -> list[dict[str, Any]]:
+        """The attempts behind this dead letter, as the table keeps them: the last one is
+        attempt ``attempts`` of this delivery (0: refused before any handler ran)."""
+        replay = _replay_number(event)
+        first = attempts - len(failures_) + 1
+        return [
+            Attempt(
+                at=dt.datetime.fromtimestamp(f.at, dt.UTC),
+                attempt=max(0, first + i),
+                replay=replay,
+                error_class=f.error_class,
+                message=f.message,
+                frame=f.frame,
+                trace=f.trace,
+                host=self.host,
+                pid=self.pid,
+                instance=self.instance,
+                seconds=None if f.seconds is None else round(f.seconds, 6),
+            ).to_json()
+            for i, f in enumerate(failures_)
+        ]
 
     async def apply_policy(self, session: AsyncSession, event: InboxEvent) -> bool:
         """Unknown type or malformed record: dead-letter or skip. True if dead-lettered."""
@@ -70,9 +114,16 @@ class DeadLetterer:
         return await self.send(session, event, failure, attempts=0)
 
     async def send(
-        self, session: AsyncSession, event: InboxEvent, failure: Failure, attempts: int
+        self,
+        session: AsyncSession,
+        event: InboxEvent,
+        failure: Failure,
+        attempts: int,
+        history: Sequence[Failure] = (),
     ) -> bool:
         """Send the original record to the DLQ and record it, in ``session``'s transaction.
+        ``history``: the failed attempts of this delivery, oldest first, ending with
+        ``failure`` (default: ``failure`` alone).
 
         The inbox row is claimed first: a duplicate is not dead-lettered twice. The produce
         is acknowledged before the commit; a crash in between re-sends it (the DLQ topic is
@@ -122,7 +173,10 @@ class DeadLetterer:
             dlq_partition=at[0] if at else None,
             dlq_offset=at[1] if at else None,
             dlq_refused=refused.error if refused else None,
+            history=self.history(event, history or (failure,), attempts),
         )
+        where = {"where": failure.frame} if failure.frame else {}
+        trace = {"trace": traces.summary(failure.trace)} if failure.trace else {}
         log.warning(
             "dead-lettered",
             extra={
@@ -132,6 +186,9 @@ class DeadLetterer:
                 "partition": event.partition,
                 "offset": event.offset,
                 "error": failure.error_class,
+                "error_message": failure.message,
+                **where,
+                **trace,
                 "attempts": attempts,
                 **({"dlq_refused": refused.error} if refused else {}),
             },
@@ -166,3 +223,14 @@ class DeadLetterer:
             return await self.sink.send(refused.topic, event.key, b"", marker)
         except RecordTooLargeForTopic:
             return None
+
+
+def _replay_number(event: InboxEvent) -> int:
+    """Which replay this delivery is (the ``dlq_replay`` header), 0 for the original."""
+    for name, value in event.headers:
+        if name == REPLAY_HEADER:
+            try:
+                return int(value)
+            except ValueError:
+                return 0
+    return 0

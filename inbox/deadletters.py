@@ -21,9 +21,9 @@ from inbox.envelopes.base import EVENT_ID_HEADER
 from inbox.errors import DeadLetterNotFound
 from inbox.kafka import KafkaSink, dlq_producer
 from inbox.store import InboxStore
-from outbox.daemon import start_kafka
 from outbox.db import async_engine, translated_errors
-from outbox.errors import BrokerUnavailable, ConfigurationError
+from outbox.errors import AmbiguousId, BrokerUnavailable, ConfigurationError
+from outbox.kafka.clients import start_kafka
 from outbox.ops.deadletters import DeadLetter, DeadLetterFilter, DeadLetterGroup
 from outbox.settings import OutboxSettings
 from outbox.tables import build_tables
@@ -36,6 +36,10 @@ _REPLAY_HEADERS = (REPLAY_HEADER, EVENT_ID_HEADER)
 class ReplayReport:
     replayed: list[DeadLetter] = field(default_factory=list)
     refused: list[DeadLetter] = field(default_factory=list)
+
+
+def _of(consumer: str | None) -> str:
+    return "" if consumer is None else f" for consumer {consumer!r}"
 
 
 class DeadLetters:
@@ -65,6 +69,13 @@ class DeadLetters:
             async with self._engine.connect() as conn:
                 return await self._store.count_dead_letters(conn, where)
 
+    async def count_by_state(self, where: DeadLetterFilter) -> dict[str, int]:
+        """How many of the matching dead letters are dead, replaying, processed and
+        forgotten (outbox/ops/deadletters.py STATES)."""
+        with translated_errors():
+            async with self._engine.connect() as conn:
+                return await self._store.count_by_state(conn, where)
+
     async def groups(
         self, where: DeadLetterFilter, limit: int = 100
     ) -> builtins.list[DeadLetterGroup]:
@@ -78,11 +89,36 @@ class DeadLetters:
             async with self._engine.connect() as conn:
                 return await self._store.dead_letters_by_day(conn, days)
 
-    async def get(self, consumer: str, event_id: str) -> DeadLetter:
-        found = await self.list(DeadLetterFilter(consumer=consumer, event_id=event_id), 1)
+    async def get(self, consumer: str | None, event_id: str) -> DeadLetter:
+        """One dead letter; without ``consumer``, the event id must be dead for one
+        consumer only (else :class:`AmbiguousId`, naming them)."""
+        found = await self.list(DeadLetterFilter(consumer=consumer, event_id=event_id), 6)
         if not found:
-            raise DeadLetterNotFound(f"no dead letter {event_id!r} for consumer {consumer!r}")
+            raise DeadLetterNotFound(f"no dead letter with id {event_id!r}{_of(consumer)}")
+        if len(found) > 1:
+            names = ", ".join(sorted(x.consumer for x in found[:5]))
+            names += ", …" if len(found) > 5 else ""
+            raise AmbiguousId(
+                f"event {event_id!r} is a dead letter of several consumers ({names}): "
+                "give one with -c/--consumer"
+            )
         return found[0]
+
+    async def resolve(self, event_id: str, consumer: str | None = None) -> str:
+        """The full event id ``event_id`` names: itself, or the one dead letter's id it is
+        a prefix of (``0a4f`` for ``0a4f9c…``, as git takes commit ids). Raises
+        :class:`DeadLetterNotFound`, or :class:`AmbiguousId` with how many ids it fits."""
+        with translated_errors():
+            async with self._engine.connect() as conn:
+                ids, total = await self._store.dead_letter_ids(conn, event_id, consumer, 3)
+        if ids and (ids[0] == event_id or total == 1):
+            return ids[0]
+        if not ids:
+            raise DeadLetterNotFound(f"no dead letter with id {event_id!r}{_of(consumer)}")
+        raise AmbiguousId(
+            f"{total} dead letters{_of(consumer)} have an event id starting {event_id!r} "
+            f"({', '.join(ids)}{', …' if total > len(ids) else ''}): give more of it"
+        )
 
     async def replay(self, where: DeadLetterFilter) -> ReplayReport:
         report = ReplayReport()

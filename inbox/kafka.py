@@ -26,16 +26,10 @@ from aiokafka.errors import (
 )
 
 from inbox.errors import RecordTooLargeForTopic
-from outbox.daemon import (
-    UNKNOWN_TOPIC,
-    kafka_admin,
-    kafka_producer,
-    kafka_refusal,
-    raise_admin_failure,
-    start_kafka,
-    topic_error,
-)
 from outbox.errors import BrokerRefused, BrokerUnavailable, ConfigurationError, TopicMissing
+from outbox.kafka.admin import UNKNOWN_TOPIC, topic_error
+from outbox.kafka.clients import kafka_admin, kafka_producer, start_kafka
+from outbox.kafka.errors import kafka_refusal, raise_admin_failure
 from outbox.ops.record_limits import (
     TopicLimits,
     dead_letter_configs,

@@ -4,8 +4,18 @@ A lane holds its partition's fetched records until they are finished, in offset 
 Short runs are offered to the daemon's sharer (one shared transaction for the runs of many
 lanes); what cannot share (a backlog longer than a transaction, a retry after an outage, a
 marker to read first, a quiet spell to end, a stop) runs in the lane's own task, in one of
-the daemon's slots (``max_concurrent_partitions``). A lane far behind, in records or
-bytes, pauses its partition's fetching until it has caught up.
+the daemon's slots (``max_concurrent_partitions``, :class:`Slots`). A lane far behind, in
+records or bytes, pauses its partition's fetching until it has caught up.
+
+Lanes that are behind never hold back those that are not (issue 52). After a broker's
+failover the partitions it stalled arrive with seconds of backlog at once, often more of
+them than there are slots; a lane used to keep its slot for up to 4 x max_batch_records
+records, across transactions, and the sharer waited for a slot like any lane: the
+partitions that had never been behind waited until a backlog drained (a 40 s wait for a
+slot measured on a loaded host, clear partitions 57 s behind while the sick broker's own
+were 22 s behind). Now the sharer has no slot to wait for (its one transaction has a
+connection of its own), and a lane gives its slot back after each transaction while
+another lane waits for one, so that lanes behind take turns.
 
 The lane sees its daemon only through :class:`LaneHost`: the consumer settings, the slots,
 the retry policy, the two dependencies whose outages it reports, and four callbacks
@@ -22,7 +32,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from aiokafka import ConsumerRecord, TopicPartition
+from aiokafka import ConsumerRecord
 from aiokafka.errors import KafkaError
 
 from inbox.app import Decoder
@@ -30,6 +40,7 @@ from inbox.event import InboxEvent
 from inbox.failures import infrastructure_cause, is_infrastructure
 from inbox.processor import PartitionProcessor
 from outbox.errors import BrokerUnavailable
+from outbox.kafka.client import Partition as TopicPartition
 from outbox.outages import Dependency
 from outbox.resilience.retry import RetryPolicy
 from outbox.settings import ConsumerSettings
@@ -37,14 +48,43 @@ from outbox.settings import ConsumerSettings
 log = logging.getLogger("outbox.inbox")
 
 
+class Slots:
+    """The lanes' processing slots (``max_concurrent_partitions``), handed out in turn:
+    ``async with slots`` waits for one (first come, first served); :meth:`wanted` says
+    whether a lane waits, so that the holder gives its slot back between transactions."""
+
+    def __init__(self, count: int) -> None:
+        self._free = asyncio.Semaphore(count)
+        self._waiting = self._held = 0
+
+    async def __aenter__(self) -> None:
+        self._waiting += 1
+        try:
+            await self._free.acquire()
+        finally:
+            self._waiting -= 1
+        self._held += 1
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._held -= 1
+        self._free.release()
+
+    def wanted(self) -> bool:
+        return self._waiting > 0
+
+    def in_use(self) -> bool:
+        """Whether a lane runs on its own (or waits to): some partition is behind."""
+        return self._held > 0 or self._waiting > 0
+
+
 @dataclass(frozen=True)
 class LaneHost:
     """What a lane may use of its daemon, and nothing else."""
 
     config: ConsumerSettings
-    # Lanes' own tasks and the sharer hold one while handling records (the
-    # max_concurrent_partitions bound).
-    slots: asyncio.Semaphore
+    # Lanes' own tasks hold one while handling records (the max_concurrent_partitions
+    # bound); the sharer needs none.
+    slots: Slots
     policy: RetryPolicy  # the backoff after an outage
     # Shared by every lane: one log line per outage, not one per partition and try.
     database: Dependency
@@ -161,7 +201,9 @@ class Lane:
                     continue  # a shared transaction finished them
                 self.busy = True
                 try:
-                    await self.processor.process(self.queued)
+                    # One transaction at a time while another lane waits for a slot: the
+                    # rest goes round the sharer (which hands it back) to the queue's end.
+                    await self.processor.process(self.queued, self.host.slots.wanted)
                     # Any lane's success says the database is back (the lane that saw it
                     # go may have lost its partition meanwhile).
                     self.host.database.ok()

@@ -18,17 +18,16 @@ at the first byte, hold up to 500 ms), so an idle consumer costs two fetches a s
 the first record after a pause is handed over at once.
 
 aiokafka fixes both values when it starts; its fetcher reads them again for every
-request, from attributes that are not public API, changed through :mod:`outbox.kafka_room`
-(checked once at start: if a future aiokafka renames them, lingering is off — said in the
-room's one WARNING — and nothing else changes).
+request, from attributes that are not public API, changed through
+:mod:`outbox.kafka.aiokafka_internals` (checked once at start: if a future aiokafka renames
+them, lingering is off — said in the room's one WARNING — and nothing else changes).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
-from outbox.kafka_room import fetch_wait, set_fetch_wait
+from outbox.kafka.client import Consumer
 
 # While lingering the wait, not the size, ends a fetch at any rate below ~200 MB/s.
 LINGER_MIN_BYTES = 1 << 20
@@ -36,13 +35,13 @@ LINGER_MIN_BYTES = 1 << 20
 
 @dataclass
 class FetchLinger:
-    consumer: Any  # a started AIOKafkaConsumer
+    consumer: Consumer  # started
     linger_ms: int
     _quiet: tuple[int, int] = field(init=False)
     _flowing: bool = field(default=False, init=False)
 
     def __post_init__(self) -> None:
-        quiet = fetch_wait(self.consumer) if self.linger_ms else None
+        quiet = self.consumer.fetch_wait() if self.linger_ms else None
         if quiet is None:
             self.linger_ms = 0  # off: the app tunes fetching, or aiokafka does not let us
         else:
@@ -55,5 +54,5 @@ class FetchLinger:
         self._flowing = records
         lingering = (max(LINGER_MIN_BYTES, self._quiet[0]), self.linger_ms)
         values = lingering if records else self._quiet
-        if not set_fetch_wait(self.consumer, *values):
+        if not self.consumer.set_fetch_wait(*values):
             self.linger_ms = 0

@@ -34,14 +34,15 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from aiokafka import AIOKafkaConsumer
 from aiokafka import errors as kerr
 from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 from aiokafka.errors import BrokerResponseError, KafkaError
 
 from inbox.errors import DuplicateInstanceId, SessionTimeoutRefused
-from outbox import kafka_room
-from outbox.daemon import kafka_admin, raise_admin_failure, start_kafka
+from outbox.kafka import aiokafka_internals
+from outbox.kafka.client import Consumer
+from outbox.kafka.clients import kafka_admin, start_kafka
+from outbox.kafka.errors import raise_admin_failure
 from outbox.settings import OutboxSettings
 
 log = logging.getLogger("outbox.inbox")
@@ -75,13 +76,18 @@ def register_fenced_error() -> None:
     """Name Kafka's error code 82, which aiokafka 0.14 maps to UnknownError: its errors
     then keep the broker's error name (``KafkaError('FencedInstanceIdError()')``). Through
     the Kafka room, which says once when this aiokafka does not allow it."""
-    kafka_room.name_error_code(FENCED_INSTANCE_ID, FencedInstanceIdError)
+    aiokafka_internals.name_error_code(FENCED_INSTANCE_ID, FencedInstanceIdError)
 
 
 def is_fenced(exc: BaseException) -> bool:
     """aiokafka wraps the join's error as ``KafkaError(repr(error))``: the name is all
-    that is left of it."""
-    return isinstance(exc, FencedInstanceIdError) or FencedInstanceIdError.__name__ in str(exc)
+    that is left of it (a :class:`~outbox.errors.GroupError`'s ``name`` or message)."""
+    name = FencedInstanceIdError.__name__
+    return (
+        isinstance(exc, FencedInstanceIdError)
+        or getattr(exc, "name", None) == name
+        or (name in str(exc))
+    )
 
 
 def static_options(settings: OutboxSettings, app_options: Mapping[str, Any]) -> dict[str, Any]:
@@ -139,7 +145,8 @@ def session_refused(
     exc: BaseException, timeout_ms: int, static: bool
 ) -> SessionTimeoutRefused | None:
     """The join's INVALID_SESSION_TIMEOUT as a configuration error naming what sets it."""
-    if not isinstance(exc, kerr.InvalidSessionTimeoutError):
+    invalid = kerr.InvalidSessionTimeoutError
+    if not isinstance(exc, invalid) and getattr(exc, "name", None) != invalid.__name__:
         return None
     setting = (
         "OUTBOX_CONSUMER__STATIC_SESSION_TIMEOUT_MS"
@@ -161,7 +168,7 @@ class Membership:
 
     def __init__(
         self,
-        kafka: AIOKafkaConsumer,
+        kafka: Consumer,
         group: str,
         instance_id: str,
         heartbeat_ms: int = HEARTBEAT_MS,
@@ -178,7 +185,7 @@ class Membership:
         """Called when partitions are assigned; the error to stop with, when this process
         is the newcomer of a duplicate pair. (Never, when the Kafka room cannot read the
         group's generation: it said so at start.)"""
-        generation = kafka_room.group_generation(self._kafka)
+        generation = self._kafka.group_generation()
         if generation is None:
             return None
         now = time.monotonic()
@@ -206,7 +213,7 @@ class Membership:
         newcomer then stops)."""
         if not is_fenced(exc) or not self._is_incumbent():
             return False
-        if not kafka_room.reset_group_member(self._kafka):
+        if not self._kafka.reset_member():
             return False
         log.error(
             "another live consumer joined with group instance id %s and fenced this member "

@@ -101,6 +101,13 @@ class Metrics:
     def handler_seconds(self, seconds: float) -> None:
         self._handler_seconds.observe(seconds)
 
+    def handler_seconds_total(self) -> float:
+        """Every handler run's time added up (the histogram's sum; read off the hot path)."""
+        value = self.registry.get_sample_value(
+            "outbox_inbox_handler_seconds_sum", {"consumer": self.consumer}
+        )
+        return value or 0.0
+
     def batch_size(self, events: int) -> None:
         """One call of a batch handler with ``events`` events."""
         self._batch_size.observe(events)

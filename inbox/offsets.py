@@ -19,9 +19,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from aiokafka import TopicPartition
-from aiokafka.errors import CommitFailedError, IllegalStateError, KafkaError
-
+from outbox.errors import BrokerRefused, BrokerUnavailable, CommitRefused
+from outbox.kafka.client import Partition as TopicPartition
 from outbox.outages import Dependency
 from outbox.resilience.retry import RetryPolicy
 
@@ -29,7 +28,7 @@ log = logging.getLogger("outbox.inbox")
 
 
 class Committing(Protocol):
-    """What the committer needs of a consumer (``AIOKafkaConsumer.commit``)."""
+    """What the committer needs of a consumer (outbox/kafka/client.py's ``commit``)."""
 
     async def commit(self, offsets: dict[TopicPartition, int]) -> None: ...
 
@@ -106,24 +105,29 @@ class OffsetCommitter:
             self.committed.update(offsets)
             self.kafka.ok()
             return True
-        except (CommitFailedError, IllegalStateError) as exc:
+        except CommitRefused as exc:
             if len(offsets) == 1:
                 # The partition moved to another member; it re-reads from the last
                 # committed offset and the inbox skips what this member already applied.
                 log.warning(
                     "offset commit refused",
-                    extra={"partitions": sorted(map(str, offsets)), "error": type(exc).__name__},
+                    extra={"partitions": sorted(map(str, offsets)), "error": str(exc)},
                 )
                 return True
-        except KafkaError as exc:
+        except (BrokerUnavailable, BrokerRefused) as exc:
             # Kafka unreachable, or the group coordinator moved (its broker died) and is
             # not found yet: keep the offsets for the next try — a newer offset finished
             # meanwhile wins — so that a restart re-reads no more than what is uncommitted.
             # One line per outage.
             self._keep_pending(offsets)
-            self.kafka.failed(f"offset commit failed: {type(exc).__name__}")
+            self.kafka.failed(f"offset commit failed: {_cause_name(exc)}")
             return False
         ok = True
         for tp, offset in offsets.items():
             ok = await self._commit({tp: offset}) and ok
         return ok
+
+
+def _cause_name(exc: BaseException) -> str:
+    """The client's own error name behind ``exc`` (what the log line has always said)."""
+    return type(exc.__cause__ or exc).__name__

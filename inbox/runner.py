@@ -2,12 +2,14 @@
 
 Each assigned partition gets a lane: its fetched records, handled in offset order. Short
 runs (all a partition has, up to a transaction's worth) go to the *sharer*, one task that
-handles every lane's short run in one shared transaction (see ``inbox/processor.py``): at
+handles every lane's short run in one shared transaction (see ``inbox/together.py``): at
 low rates the per-transaction cost is paid once for the records of many partitions, and
 no partition's task is even woken. What cannot share (a backlog longer than a
 transaction, a failure to resume from, a marker to read first) runs in the lane's own
-task; lanes run concurrently (up to ``max_concurrent_partitions``), and a lane far behind
-pauses its partition's fetching (the lane: ``inbox/lane.py``). Offsets are
+task; lanes run concurrently (up to ``max_concurrent_partitions``, taking turns one
+transaction at a time when more wait), and a lane far behind pauses its partition's
+fetching (the lane: ``inbox/lane.py``). The sharer takes no slot: partitions that are
+caught up are never held back by those behind (after a broker's failover, say). Offsets are
 committed only after the database commit that finished them, never by auto-commit, by a
 committer task that coalesces them so handlers never wait for a Kafka round trip
 (``inbox/offsets.py``). On
@@ -15,12 +17,9 @@ revocation a revoked partition's in-flight run finishes (a retry backing off is 
 before its next attempt) and its offsets are committed before the rebalance proceeds; the
 new owner starts at the committed offset and the inbox dedupes the rest.
 
-Lag (``outbox_inbox_lag_records``): per assigned partition, the high watermark minus the
-offset this member committed (or started from), refreshed once a second from what the
-fetches already brought back (aiokafka keeps each partition's last high watermark). A
-partition paused for backpressure is not fetched, so its end offset is asked for with the
-periodic Kafka check instead: at most one request a second, in a task of its own (a hung
-broker cannot hold up the check), never one per event.
+Lag (``outbox_inbox_lag_records``): inbox/lag.py, refreshed once a second from what the
+fetches already brought back; a paused partition's end offset is asked for with the
+periodic Kafka check.
 """
 
 from __future__ import annotations
@@ -34,21 +33,19 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from aiokafka import AIOKafkaConsumer, TopicPartition
-from aiokafka.abc import ConsumerRebalanceListener
-from aiokafka.errors import IllegalStateError, KafkaError
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
 from inbox.app import Consumer
 from inbox.connections import Connections
 from inbox.event import InboxEvent
 from inbox.failures import infrastructure_cause, is_infrastructure
-from inbox.kafka import KafkaSink, dlq_producer, ensure_topics, start_dlq_producer
-from inbox.lane import Lane, LaneHost
+from inbox.kafka import KafkaSink, dlq_producer, start_dlq_producer
+from inbox.lag import ConsumerLag
+from inbox.lane import Lane, LaneHost, Slots
 from inbox.linger import FetchLinger
+from inbox.marker import AHEAD
 from inbox.membership import (
     Membership,
-    check_session_timeout,
     is_fenced,
     register_fenced_error,
     session_refused,
@@ -56,27 +53,31 @@ from inbox.membership import (
 )
 from inbox.metrics import Metrics
 from inbox.offsets import OffsetCommitter
-from inbox.processor import PartitionProcessor, process_together
+from inbox.processor import PartitionProcessor
+from inbox.startup import database_ready, topics_ready
+from inbox.stats import StatsWriter
 from inbox.store import InboxStore
-from outbox import kafka_room
-from outbox.daemon import MetadataWatch, kafka_consumer, start_kafka, with_client_options
+from inbox.together import process_together
 from outbox.db import async_engine
-from outbox.errors import BrokerUnavailable, DatabaseUnavailable, OutboxError
+from outbox.errors import GroupError, OutboxError
+from outbox.kafka import aiokafka_internals
+from outbox.kafka.aiokafka_consumer import AioConsumer
+from outbox.kafka.client import Consumer as GroupConsumer
+from outbox.kafka.client import Partition
+from outbox.kafka.clients import kafka_consumer, start_kafka, with_client_options
 from outbox.outages import Dependency
-from outbox.poolers import probe_session
 from outbox.resilience.retry import RetryPolicy
 from outbox.settings import OutboxSettings
+from outbox.status_line import StatusLine
 from outbox.tables import build_tables
 
 log = logging.getLogger("outbox.inbox")
-STATUS_EVERY_SECONDS = 10.0
 # /healthz says 503 when fetched records have waited this long without any partition
 # committing: stuck (the database down, a handler hanging), not merely idle. Long enough
 # for a retry's backoff, so a flaky handler does not get the process restarted.
 STALLED_AFTER_SECONDS = 120.0
 KAFKA_CHECK_SECONDS = 1.0
 LAG_EVERY_SECONDS = 1.0
-END_OFFSETS_TIMEOUT_SECONDS = 5.0
 # At stop, Kafka gets this long for the last offset commit and again for closing the
 # consumer (its LeaveGroup, unless static). aiokafka retries a commit a group coordinator
 # does not answer (a request timeout, a coordinator lookup, again): that held the exit for
@@ -84,21 +85,9 @@ END_OFFSETS_TIMEOUT_SECONDS = 5.0
 # committed offset and the inbox skips what was applied; the group moves a member's
 # partitions once it has been silent for the session timeout.
 KAFKA_AT_STOP_SECONDS = 3.0
-
-
-class _Listener(ConsumerRebalanceListener):  # type: ignore[misc]
-    def __init__(self, daemon: ConsumerDaemon) -> None:
-        self._daemon = daemon
-
-    async def on_partitions_revoked(self, revoked: Sequence[TopicPartition]) -> None:
-        await self._daemon.release(revoked)
-
-    async def on_partitions_assigned(self, assigned: Sequence[TopicPartition]) -> None:
-        self._daemon._assigned.update(assigned)
-        membership = self._daemon._membership
-        if membership is not None and (duplicate := membership.joined()) is not None:
-            self._daemon._failure = self._daemon._failure or duplicate
-        log.info("partitions assigned", extra={"partitions": sorted(str(tp) for tp in assigned)})
+# While some partitions are behind, the longest run a caught-up partition brings to the
+# shared transaction (a marker armed ahead covers as many: inbox/marker.py AHEAD).
+SHORT_RUN = AHEAD
 
 
 @dataclass
@@ -107,23 +96,18 @@ class ConsumerDaemon:
     settings: OutboxSettings
     metrics: Metrics | None = None
     _engine: AsyncEngine | None = field(default=None, init=False)
-    _kafka: AIOKafkaConsumer | None = field(default=None, init=False)
-    _lanes: dict[TopicPartition, Lane] = field(default_factory=dict, init=False)
+    _kafka: GroupConsumer | None = field(default=None, init=False)
+    _lanes: dict[Partition, Lane] = field(default_factory=dict, init=False)
     # Lanes with records for the sharer to look at, in the order they came (a process with
     # many quiet partitions does not pay for each of them).
-    _offered: dict[TopicPartition, Lane] = field(default_factory=dict, init=False)
+    _offered: dict[Partition, Lane] = field(default_factory=dict, init=False)
     _offers: asyncio.Event = field(default_factory=asyncio.Event, init=False)
     _failure: BaseException | None = field(default=None, init=False)
     _running: bool = field(default=False, init=False)
     _progress_at: float = field(default_factory=time.monotonic, init=False)
     _watcher: asyncio.Task[None] | None = field(default=None, init=False)
-    # What the last rebalance gave this member, until revoked. Lag is exported for these
-    # only: aiokafka keeps reporting revoked partitions in assignment() until the next
-    # assignment arrives, and a series made for one then would never be removed.
-    _assigned: set[TopicPartition] = field(default_factory=set, init=False)
-    # End offsets of paused partitions, asked for by the Kafka check (see module docstring).
-    _end_offsets: dict[TopicPartition, int] = field(default_factory=dict, init=False)
     _sharer: asyncio.Task[None] | None = field(default=None, init=False)
+    _stats: asyncio.Task[None] | None = field(default=None, init=False)  # inbox/stats.py
     # Static membership (inbox/membership.py): set when an instance id is.
     _membership: Membership | None = field(default=None, init=False)
     _session_timeout_ms: int = field(default=10_000, init=False)  # aiokafka's default
@@ -132,14 +116,17 @@ class ConsumerDaemon:
         self.settings = self.settings.for_consumer()  # its own URL, when one is set
         if self.metrics is None:
             self.metrics = Metrics(self.app.name)
+        self._lag = ConsumerLag(self.metrics)
         config = self.settings.consumer
+        # Backoff only: attempts are counted against consumer.max_attempts per handler.
         self._policy = RetryPolicy(
-            self.settings.retry.base_seconds, self.settings.retry.cap_seconds, config.max_attempts
+            self.settings.retry.base_seconds, self.settings.retry.cap_seconds
         )
-        self._slots = asyncio.Semaphore(config.max_concurrent_partitions)
+        self._slots = Slots(config.max_concurrent_partitions)
         self._store = InboxStore(build_tables(self.settings))
         # Shared by every partition: one log line per outage, not one per partition and try.
         self.database = Dependency("database", log)
+        self._server: str | None = None  # host:port (primary|standby) the probe reached
         self.kafka = Dependency("Kafka", log)
         self._offsets = OffsetCommitter(self.kafka, self._policy, config.offset_commit_interval_ms)
         # All a lane may use of this daemon (inbox/lane.py).
@@ -160,15 +147,19 @@ class ConsumerDaemon:
     async def run(self, stop: asyncio.Event) -> None:
         """Consume until ``stop`` is set; then finish in-flight batches, commit, leave."""
         config = self.settings.consumer
-        kafka_room.check()  # one WARNING if this aiokafka lost a capability the inbox uses
+        aiokafka_internals.check()  # one WARNING if this aiokafka lost a capability the inbox uses
         # Before joining the group: a member that cannot process would take partitions
         # from healthy ones. Configuration errors end the run here (exit 2).
-        if not await self._database_ready(stop):
+        ready = await database_ready(self.settings, self.database, self._policy, stop)
+        if ready is None:
             return
+        self.settings, self._server = ready.settings, ready.server
         # The app's own Kafka options (TLS, SASL, tuning) reach the admin client and the
         # dead-letter producer too, not only the consumer.
         settings = with_client_options(self.settings, self.app.kafka_options)
-        if not await self._topics_ready(settings, stop):
+        if not await topics_ready(
+            self.settings, settings, self.app, self.kafka, self._policy, stop
+        ):
             return
         register_fenced_error()
         options: dict[str, Any] = {
@@ -181,8 +172,10 @@ class ConsumerDaemon:
         self._session_timeout_ms = options.get(
             "session_timeout_ms", settings.kafka.options.get("session_timeout_ms", 10_000)
         )
-        kafka = kafka_consumer(
-            settings, group_id=self.app.name, enable_auto_commit=False, **options
+        # Kafka through the client interface of outbox/kafka/client.py (aiokafka behind it).
+        kafka = AioConsumer(
+            kafka_consumer(settings, group_id=self.app.name, enable_auto_commit=False, **options),
+            settings,
         )
         # Two pools. Runs and shared transactions start on connections of the autocommit
         # one, kept open between transactions (inbox/connections.py), where the claim opens
@@ -207,14 +200,18 @@ class ConsumerDaemon:
         self._kafka = self._offsets.consumer = kafka
         try:
             await start_kafka(producer, settings)
-            await start_kafka(kafka, settings)
+            await kafka.start()
             if (instance_id := options.get("group_instance_id")) is not None:
                 heartbeat = options.get("heartbeat_interval_ms")
                 heartbeat = heartbeat or settings.kafka.options.get("heartbeat_interval_ms", 3000)
                 self._membership = Membership(kafka, self.app.name, instance_id, heartbeat)
-            kafka.subscribe(list(self.app.topics), listener=_Listener(self))
+            kafka.subscribe(self.app.topics, self._on_assigned, self.release)
             self._watcher = asyncio.create_task(self._watch_kafka(kafka))
             self._watcher.add_done_callback(self._watch)
+            if config.stats_seconds > 0:
+                assert self.metrics is not None
+                stats = StatsWriter(self.app.name, self.metrics, self._store, self._engine)
+                self._stats = asyncio.create_task(stats.run(config.stats_seconds))
             self._running = True
             log.info(
                 "consumer started",
@@ -222,6 +219,7 @@ class ConsumerDaemon:
                     "consumer": self.app.name,
                     "topics": list(self.app.topics),
                     "group_instance_id": options.get("group_instance_id"),
+                    "server": self._server,
                 },
             )
             await self._loop(stop, sessions, sink, self._linger(kafka))
@@ -246,12 +244,21 @@ class ConsumerDaemon:
                 )
                 if self._sharer is not None:
                     closing.callback(self._sharer.cancel)
+                # After the release (its last commits are counted), before the pools close.
+                closing.push_async_callback(self._stop_stats)
                 closing.push_async_callback(
                     functools.partial(self.release, list(self._lanes), stopping=True)
                 )
             log.info("consumer stopped", extra={"consumer": self.app.name, **self._counts()})
         if self._failure is not None:
             raise self._failure
+
+    async def _stop_stats(self) -> None:
+        """Cancel the stats writer: it writes what it has counted since, once more."""
+        if self._stats is not None:
+            self._stats.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._stats
 
     def dependency_of(self, exc: BaseException) -> Dependency:
         """Which service a transient error is about (the DLQ producer's are Kafka's)."""
@@ -273,68 +280,13 @@ class ConsumerDaemon:
             "kafka_retries": self.kafka.tries,
         }
 
-    async def _database_ready(self, stop: asyncio.Event) -> bool:
-        """Connect once: a refusal (credentials, unknown database, TLS) raises at once;
-        while the database is merely unreachable (still starting), wait with backoff.
-        False when stopped meanwhile.
-
-        The connection is a session probe (``outbox/poolers.py``): behind a transaction
-        pooler the consumer runs without server-side prepared statements, whatever
-        ``db_pooler`` says. Nothing else it does needs a session: every statement runs in
-        a transaction that starts and ends on one server session."""
-        while True:  # at least one try, even when asked to stop already
-            try:
-                probe = await probe_session(self.settings)
-            except DatabaseUnavailable as error:
-                self.database.failed(error)
-            else:
-                self.database.ok()
-                if probe.mode == "transaction" and self.settings.db_pooler != "transaction":
-                    # The consumer copes; producers' engines on this URL would not.
-                    log.warning(
-                        "database behind a transaction pooler: running without server-side "
-                        "prepared statements; set OUTBOX_DB_POOLER=transaction wherever this "
-                        "URL is used",
-                        extra={"session": probe.describe()},
-                    )
-                    self.settings = self.settings.model_copy(update={"db_pooler": "transaction"})
-                return True
-            if not await self._retry_wait(self.database, stop):
-                return False
-
-    async def _topics_ready(self, settings: OutboxSettings, stop: asyncio.Event) -> bool:
-        """Check the topics (and create the dead-letter ones): a refusal or a missing topic
-        raises at once; while Kafka is merely unreachable, wait with backoff. False when
-        stopped meanwhile."""
-        while True:
-            try:
-                await ensure_topics(settings, self.app.topics)
-                static = static_options(self.settings, self.app.kafka_options)
-                if "session_timeout_ms" in static:
-                    await check_session_timeout(settings, static["session_timeout_ms"])
-                self.kafka.ok()
-                return True
-            except BrokerUnavailable as exc:
-                self.kafka.failed(infrastructure_cause(exc))
-            if not await self._retry_wait(self.kafka, stop):
-                return False
-
-    async def _retry_wait(self, down: Dependency, stop: asyncio.Event) -> bool:
-        """Back off before the next try at start-up; False when asked to stop."""
-        if stop.is_set():
-            return False
-        delay = self._policy.backoff(min(down.failures, 10))
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), delay)
-        return not stop.is_set()
-
-    async def _watch_kafka(self, kafka: AIOKafkaConsumer) -> None:
+    async def _watch_kafka(self, kafka: GroupConsumer) -> None:
         """Ask for metadata every second: the fetch loop does not see an outage (aiokafka
         retries inside ``getmany``), this turns it into one line down, one line up; and it
         keeps the view of who leads each partition fresh when a broker hangs, so that the
         partitions Kafka moves away from it are fetched from their new leaders at once."""
-        # aiokafka exposes no public "is the cluster reachable?": see outbox/kafka_room.py
-        watch = MetadataWatch(kafka, self.app.topics, KAFKA_CHECK_SECONDS, kafka.topics)
+        # aiokafka exposes no public "is the cluster reachable?" (outbox/kafka/metadata_watch.py)
+        watch = kafka.metadata_watch(self.app.topics, KAFKA_CHECK_SECONDS)
         ends: asyncio.Task[None] | None = None
         try:
             while True:
@@ -344,45 +296,14 @@ class ConsumerDaemon:
                     # At its own pace: a ListOffsets stuck on a hung broker must not hold up
                     # the metadata refresh that moves fetches away from it.
                     if ends is None or ends.done():
-                        ends = asyncio.create_task(self._paused_end_offsets(kafka))
+                        ends = asyncio.create_task(self._lag.paused_end_offsets(kafka, self._lanes))
                 else:
                     self.kafka.failed("metadata request failed")
         finally:
             if ends is not None:
                 ends.cancel()
 
-    async def _paused_end_offsets(self, kafka: AIOKafkaConsumer) -> None:
-        """Paused partitions are not fetched, so their high watermark would stand still."""
-        paused = [tp for tp in kafka.paused() if tp in self._lanes]
-        if not paused:
-            return
-        with contextlib.suppress(KafkaError, OSError, TimeoutError):
-            ends = await asyncio.wait_for(kafka.end_offsets(paused), END_OFFSETS_TIMEOUT_SECONDS)
-            self._end_offsets.update((tp, end) for tp, end in ends.items() if tp in self._lanes)
-
-    async def _update_lag(self) -> None:
-        """Export each assigned partition's lag: high watermark - committed offset."""
-        assert self._kafka is not None and self.metrics is not None
-        kafka = self._kafka
-        for tp in self._assigned & kafka.assignment():
-            high = kafka.highwater(tp)
-            asked = self._end_offsets.get(tp)
-            if asked is not None:
-                high = asked if high is None else max(high, asked)
-            if high is None:
-                continue  # not fetched yet
-            committed = self._offsets.committed.get(tp)
-            if committed is None:
-                # Nothing handed over since it was assigned: the position is still where the
-                # group's committed offset put it (it is valid once a fetch came back; the
-                # timeout only guards the loop against a reset in between).
-                try:
-                    committed = await asyncio.wait_for(kafka.position(tp), 0.1)
-                except (IllegalStateError, TimeoutError):
-                    continue  # no longer assigned, or being reset
-            self.metrics.lag(tp.topic, tp.partition, max(high - committed, 0))
-
-    def _linger(self, kafka: AIOKafkaConsumer) -> FetchLinger:
+    def _linger(self, kafka: GroupConsumer) -> FetchLinger:
         """The fetch linger (inbox/linger.py), unless the app tunes fetching itself."""
         tuned = {"fetch_min_bytes", "fetch_max_wait_ms"} & set(self.app.kafka_options)
         linger = 0 if tuned else self.settings.consumer.linger_ms
@@ -403,18 +324,25 @@ class ConsumerDaemon:
         # transaction in flight finishes.
         self._sharer = asyncio.create_task(self._share())
         self._sharer.add_done_callback(self._watch)
-        next_status = time.monotonic() + STATUS_EVERY_SECONDS
+        status = StatusLine(
+            log,
+            "consumer status",
+            self.settings.status,
+            start=self._counts(),
+            fields={"consumer": self.app.name},
+        )
+        next_status = time.monotonic() + status.interval
         next_lag = time.monotonic()
         rest = config.disarm_idle_seconds
         next_sweep = time.monotonic() + rest / 2
         try:
             while not stop.is_set() and self._failure is None:
                 try:
-                    batches = await self._kafka.getmany(
+                    batches = await self._kafka.fetch(
                         timeout_ms=config.fetch_timeout_ms,
                         max_records=config.max_batch_records * 4,
                     )
-                except KafkaError as exc:
+                except GroupError as exc:
                     if self._membership is not None and self._membership.survives(exc):
                         continue  # fenced by a newcomer with this instance id: join again
                     refusal = self._group_refusal(exc)
@@ -431,20 +359,20 @@ class ConsumerDaemon:
                 now = time.monotonic()
                 if now >= next_lag:
                     next_lag = now + LAG_EVERY_SECONDS
-                    await self._update_lag()
+                    await self._lag.update(self._kafka, self._offsets.committed)
                 if rest and now >= next_sweep:
                     next_sweep = now + rest / 2
                     for lane in self._lanes.values():
                         lane.sweep(now, rest)
                 if now >= next_status:
-                    next_status = now + STATUS_EVERY_SECONDS
-                    log.info("consumer status", extra={"consumer": self.app.name, **self._counts()})
+                    next_status = now + status.interval
+                    status.report(self._counts())
         finally:
             # Awaited, so that a commit it had under way is pending again for release().
             committer.cancel()
             await asyncio.gather(committer, return_exceptions=True)
 
-    def _group_refusal(self, exc: KafkaError) -> OutboxError | None:
+    def _group_refusal(self, exc: GroupError) -> OutboxError | None:
         """A group error no retry can fix, as a configuration error (exit 2): a duplicate
         instance id, a session timeout the brokers refuse."""
         if self._membership is not None and is_fenced(exc):
@@ -453,7 +381,7 @@ class ConsumerDaemon:
 
     def _lane(
         self,
-        tp: TopicPartition,
+        tp: Partition,
         sessions: async_sessionmaker[AsyncSession],
         sink: KafkaSink,
     ) -> Lane:
@@ -475,7 +403,7 @@ class ConsumerDaemon:
             lane = Lane(self._host, tp, processor, self.app.decoder(tp.topic))
             processor.on_progress = lane.progress
             self._lanes[tp] = lane
-            lane.task = asyncio.create_task(lane.work())
+            lane.task = asyncio.create_task(lane.work(), name=f"lane {tp.topic}[{tp.partition}]")
             lane.task.add_done_callback(self._watch)
         return lane
 
@@ -499,21 +427,34 @@ class ConsumerDaemon:
         while True:
             await self._offers.wait()
             self._offers.clear()
-            # The slot first: lanes taken are busy, and their own tasks may wait for them
-            # while holding slots.
-            async with self._slots:
-                await self._share_once()
+            # No slot: the partitions that are caught up never wait for those behind
+            # (inbox/lane.py); one shared transaction at a time, on a connection of its own.
+            await self._share_once()
 
     async def _share_once(self) -> None:
         limit = self.settings.consumer.max_batch_records
-        members: list[tuple[PartitionProcessor, Sequence[InboxEvent]]] = []
-        taken: list[Lane] = []
-        size = 0
+        runs: dict[Partition, Sequence[InboxEvent] | None] = {}
         for tp, lane in list(self._offered.items()):
             if lane.busy or not lane.events:
                 del self._offered[tp]  # whoever holds it offers what it leaves
-                continue
-            run = lane.processor.ready_run(lane.queued)
+            else:
+                runs[tp] = lane.processor.ready_run(lane.queued)
+        # Partitions behind (after a broker's failover, say) must not hold back those
+        # caught up: while some lane runs on its own, or some partition brings a short run
+        # and another a long one, only short runs share. A shared transaction carrying a
+        # long run would hold every caught-up partition's records for as long (seconds,
+        # with a handler's round trip per event on a busy host); the long run goes to its
+        # lane's own task instead, beside the shared transaction.
+        lengths = [len(run) for run in runs.values() if run is not None]
+        mixed = bool(lengths) and min(lengths) <= SHORT_RUN < max(lengths)
+        short = SHORT_RUN if mixed or self._slots.in_use() else limit
+        members: list[tuple[PartitionProcessor, Sequence[InboxEvent]]] = []
+        taken: list[Lane] = []
+        size = 0
+        for tp, run in runs.items():
+            lane = self._offered[tp]
+            if run is not None and len(run) > short:
+                run = None
             if run is not None and size + len(run) > limit:
                 self._offers.set()  # the next transaction takes it
                 continue
@@ -543,23 +484,38 @@ class ConsumerDaemon:
 
     # ------------------------------------------------------------------ lanes' callbacks
 
-    def _offset_done(self, tp: TopicPartition, offset: int) -> None:
+    def _offset_done(self, tp: Partition, offset: int) -> None:
         """A lane's records before ``offset`` committed in the database."""
         self._progress_at = time.monotonic()
         self._offsets.done(tp, offset)
 
-    def _pause(self, tp: TopicPartition) -> None:
+    def _pause(self, tp: Partition) -> None:
         assert self._kafka is not None
         self._kafka.pause(tp)
 
-    def _resume(self, tp: TopicPartition) -> None:
+    def _resume(self, tp: Partition) -> None:
         assert self._kafka is not None
-        with contextlib.suppress(IllegalStateError):  # no longer assigned
-            self._kafka.resume(tp)
+        self._kafka.resume(tp)  # nothing when no longer assigned
 
-    # ------------------------------------------------------------------ release
+    # ------------------------------------------------------------------ rebalances
 
-    async def release(self, tps: Sequence[TopicPartition], stopping: bool = False) -> None:
+    async def _on_assigned(self, assigned: list[Partition]) -> None:
+        self._lag.assigned.update(assigned)
+        membership = self._membership
+        if membership is not None and (duplicate := membership.joined()) is not None:
+            self._failure = self._failure or duplicate
+        # The group's generation moves with each rebalance; a member that joined again
+        # without one (a static member, say) gets its partitions at the same generation.
+        kafka = self._kafka
+        log.info(
+            "partitions assigned",
+            extra={
+                "partitions": sorted(str(tp) for tp in assigned),
+                "generation": kafka.group_generation() if kafka is not None else None,
+            },
+        )
+
+    async def release(self, tps: Sequence[Partition], stopping: bool = False) -> None:
         """Stop the given partitions after their current run, wait, and commit their offsets
         (``stopping``: within ``KAFKA_AT_STOP_SECONDS``).
 
@@ -584,12 +540,9 @@ class ConsumerDaemon:
             )
         else:
             await commit()
-        assert self.metrics is not None
         for tp in tps:  # the next owner reports these partitions' lag
-            self._assigned.discard(tp)
             self._offsets.forget(tp)
-            self._end_offsets.pop(tp, None)
-            self.metrics.forget_lag(tp.topic, tp.partition)
+            self._lag.forget(tp)
         if lanes:
             log.info("partitions released", extra={"partitions": sorted(str(x.tp) for x in lanes)})
 

@@ -1,4 +1,5 @@
-"""The inbox's SQL, in one place. Nothing else in ``inbox`` builds statements.
+"""The inbox's database access: what the consumer and the operator tools run, with the SQL
+text of ``inbox/sql.py``. Nothing else in ``inbox`` runs statements.
 
 Every method takes the caller's session or connection so that the inbox row, the
 handler's writes and the attempt marker share the caller's transaction.
@@ -7,13 +8,13 @@ The statements of the hot path (the claim, the attempt marker, the sequence guar
 psycopg directly, as the relay does: at a few events per transaction, SQLAlchemy Core's
 execute path (compiled-cache lookup, execution context, result wrapping, the greenlet
 hop) cost more CPU than the round trip itself. They are composed once with
-``psycopg.sql`` (schema and table prefix quoted as identifiers, values always bound) and
-take a psycopg connection, or a SQLAlchemy session or connection whose driver connection
-is then used (same connection, same transaction). They never ask for server-side prepared
-statements themselves: whether psycopg prepares them is the connection's
-``prepare_threshold``, set where connections are made (``outbox/db.py``), so a pooler that
-cannot keep them (PgBouncer in transaction mode) is handled in one place. The operator
-statements (dead letters, replay) stay on SQLAlchemy Core: they are rare.
+``psycopg.sql`` (``inbox/sql.py``: schema and table prefix quoted as identifiers, values
+always bound) and take a psycopg connection, or a SQLAlchemy session or connection whose
+driver connection is then used (same connection, same transaction). They never ask for
+server-side prepared statements themselves: whether psycopg prepares them is the
+connection's ``prepare_threshold``, set where connections are made (``outbox/db.py``), so a
+pooler that cannot keep them (PgBouncer in transaction mode) is handled in one place. The
+operator statements (dead letters, replay) stay on SQLAlchemy Core: they are rare.
 """
 
 from __future__ import annotations
@@ -25,16 +26,32 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import psycopg
-from psycopg import sql
 from psycopg.pq import TransactionStatus
-from sqlalchemy import Table, and_, delete, func, or_, select, tuple_, update
+from sqlalchemy import delete, func, or_, select, tuple_, update
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 
 from inbox.event import InboxEvent
+from inbox.sql import (
+    DEAD_LETTERED,
+    PROCESSED,
+    REPLAYING,
+    Statements,
+    capped_history,
+    dead_letter_groups_query,
+    dead_letter_query,
+)
 from outbox.errors import OutboxError
-from outbox.ops.deadletters import DeadLetter, DeadLetterFilter, DeadLetterGroup
+from outbox.ops.deadletters import (
+    STATES,
+    Attempt,
+    DeadLetter,
+    DeadLetterFilter,
+    DeadLetterGroup,
+    state_of,
+)
 from outbox.tables import Tables
+from outbox.text import storable
 
 Executor = AsyncSession | AsyncConnection
 # A psycopg connection of the hot path (autocommit mode: see begin_and_claim).
@@ -42,10 +59,6 @@ Driver = psycopg.AsyncConnection[Any]
 Db = Executor | Driver
 # (topic, partition, start offset, end offset): arm one partition's attempt marker.
 Arm = tuple[str, int, int, int]
-
-PROCESSED = "processed"
-DEAD_LETTERED = "dead_lettered"
-REPLAYING = "replaying"
 
 
 @dataclass(frozen=True)
@@ -56,13 +69,6 @@ class Marker:
     end_offset: int
     attempts: int
     last_error: str | None
-
-
-_UUID = "[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}"
-
-
-def _name(table: Table) -> sql.Identifier:
-    return sql.Identifier(table.schema, table.name) if table.schema else sql.Identifier(table.name)
 
 
 async def _driver(db: Db) -> Driver:
@@ -76,115 +82,12 @@ async def _driver(db: Db) -> Driver:
 
 
 @dataclass(frozen=True)
-class _Statements:
-    """The hot path's statements, composed once per store."""
-
-    claim: bytes
-    claim_arm: bytes  # the claim, and (a data-modifying CTE) arming markers
-    arm: bytes
-    get_marker: bytes
-    set_marker: bytes
-    finish_marker: bytes
-    disarm_marker: bytes
-    advance_sequence: bytes
-    advance_sequences: bytes
-
-    @classmethod
-    def of(cls, tables: Tables) -> _Statements:
-        inbox, attempts = _name(tables.inbox), _name(tables.inbox_attempts)
-        # The events travel as one JSON array of [id, topic, partition, offset, type]
-        # rows: the statement text (and a server plan prepared for it) is the same for any
-        # number of events, and json.dumps (C) costs a fifth of the client CPU of five
-        # arrays adapted by psycopg (~0.7 against ~3 µs per event, plus ~10 µs per array).
-        # A row left `replaying` by `outbox dlq replay` counts as new exactly once (see
-        # claim()).
-        claim = sql.SQL(
-            'INSERT INTO {inbox} AS i (consumer, event_id, topic, partition, "offset", '
-            "event_type, status, attempts, last_error, processed_at) "
-            "SELECT %(consumer)s, m->>0, m->>1, (m->>2)::integer, (m->>3)::bigint, m->>4, "
-            "%(status)s, %(attempts)s, %(last_error)s, now() "
-            "FROM json_array_elements(%(events)s::json) AS m "
-            "ON CONFLICT (consumer, event_id) DO UPDATE SET topic = excluded.topic, "
-            'partition = excluded.partition, "offset" = excluded."offset", '
-            "status = excluded.status, attempts = excluded.attempts, "
-            "last_error = excluded.last_error, processed_at = excluded.processed_at "
-            "WHERE i.status = {replaying} "
-            "RETURNING i.event_id"
-        ).format(inbox=inbox, replaying=sql.Literal(REPLAYING))
-        upsert = sql.SQL(
-            "ON CONFLICT (consumer, topic, partition) DO UPDATE SET "
-            "start_offset = excluded.start_offset, end_offset = excluded.end_offset, "
-            "attempts = excluded.attempts, last_error = excluded.last_error, "
-            "updated_at = excluded.updated_at"
-        )
-        arm = sql.SQL(
-            "INSERT INTO {attempts} (consumer, topic, partition, start_offset, end_offset, "
-            "attempts, last_error, updated_at) "
-            "SELECT %(consumer)s, a->>0, (a->>1)::integer, (a->>2)::bigint, (a->>3)::bigint, "
-            "1, NULL, now() FROM json_array_elements(%(arm)s::json) AS a {upsert}"
-        ).format(attempts=attempts, upsert=upsert)
-        key = sql.SQL("consumer = %(consumer)s AND topic = %(topic)s AND partition = %(partition)s")
-        sequences = _name(tables.inbox_sequences)
-        statements = {
-            "claim": claim,
-            "claim_arm": sql.SQL("WITH marker AS ({arm}) {claim}").format(arm=arm, claim=claim),
-            "arm": arm,
-            "get_marker": sql.SQL(
-                "SELECT start_offset, end_offset, attempts, last_error FROM {attempts} WHERE {key}"
-            ).format(attempts=attempts, key=key),
-            "set_marker": sql.SQL(
-                "INSERT INTO {attempts} (consumer, topic, partition, start_offset, end_offset, "
-                "attempts, last_error, updated_at) VALUES (%(consumer)s, %(topic)s, "
-                "%(partition)s, %(start)s, %(end)s, %(attempts)s, %(last_error)s, now()) "
-                "{upsert}"
-            ).format(attempts=attempts, upsert=upsert),
-            "finish_marker": sql.SQL(
-                "UPDATE {attempts} SET attempts = 0, last_error = NULL, updated_at = now() "
-                "WHERE {key} AND attempts <> 0"
-            ).format(attempts=attempts, key=key),
-            # Only the marker still as this process armed it (one attempt, no error): a
-            # member letting go late must not erase the count of the partition's new owner.
-            "disarm_marker": sql.SQL(
-                "UPDATE {attempts} SET attempts = 0, updated_at = now() WHERE {key} "
-                "AND start_offset = %(start)s AND end_offset = %(end)s AND attempts = 1 "
-                "AND last_error IS NULL"
-            ).format(attempts=attempts, key=key),
-            "advance_sequence": sql.SQL(
-                "INSERT INTO {sequences} AS s (consumer, key, sequence) "
-                "VALUES (%(consumer)s, %(key)s, %(sequence)s) "
-                "ON CONFLICT (consumer, key) DO UPDATE SET sequence = excluded.sequence, "
-                "updated_at = now() WHERE s.sequence < excluded.sequence RETURNING s.sequence"
-            ).format(sequences=sequences),
-            # A batch handler's list in one statement (see InboxStore.advance_sequences):
-            # each key's highest sequence before it (as of the statement's snapshot), and
-            # whether the upsert of the list's highest one changed the row (inserted it, or
-            # advanced it from exactly the version that snapshot saw: the xmin check).
-            "advance_sequences": sql.SQL(
-                "WITH ev AS (SELECT k, q FROM unnest(%(keys)s::bytea[], %(sequences)s::bigint[]) "
-                "AS t(k, q)), "
-                "snap AS (SELECT key, sequence, xmin FROM {sequences} "
-                "WHERE consumer = %(consumer)s AND key IN (SELECT k FROM ev)), "
-                "up AS (INSERT INTO {sequences} AS s (consumer, key, sequence) "
-                "SELECT %(consumer)s, k, max(q) FROM ev GROUP BY k "
-                "ON CONFLICT (consumer, key) DO UPDATE SET sequence = excluded.sequence, "
-                "updated_at = now() WHERE s.sequence < excluded.sequence "
-                "AND s.xmin = (SELECT snap.xmin FROM snap WHERE snap.key = excluded.key) "
-                "RETURNING s.key) "
-                "SELECT d.k, snap.sequence, up.key IS NOT NULL "
-                "FROM (SELECT DISTINCT k FROM ev) AS d "
-                "LEFT JOIN snap ON snap.key = d.k LEFT JOIN up ON up.key = d.k"
-            ).format(sequences=sequences),
-        }
-        return cls(**{name: stmt.as_string(None).encode() for name, stmt in statements.items()})
-
-
-@dataclass(frozen=True)
 class InboxStore:
     tables: Tables
-    _sql: _Statements = field(init=False, repr=False, compare=False)
+    _sql: Statements = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "_sql", _Statements.of(self.tables))
+        object.__setattr__(self, "_sql", Statements.of(self.tables))
 
     # ------------------------------------------------------------------ inbox rows
 
@@ -390,7 +293,11 @@ class InboxStore:
         dlq_partition: int | None,
         dlq_offset: int | None,
         dlq_refused: str | None = None,
+        history: Sequence[dict[str, Any]] = (),
     ) -> None:
+        """Record a dead letter (a replayed event that fails again updates its row: the
+        error columns say the latest failure, ``history`` gets the new attempts appended,
+        ``replays`` is kept)."""
         t = self.tables.dead_letters
         values: dict[str, Any] = {
             "topic": event.topic,
@@ -399,7 +306,8 @@ class InboxStore:
             "event_type": event.event_type,
             "key": event.key,
             "value": event.record_value,
-            "header_names": [h for h, _ in event.headers],
+            # Names as text can hold them (a NUL escaped); the dead-letter topic has them exact.
+            "header_names": [storable(h) for h, _ in event.headers],
             "header_values": [v for _, v in event.headers],
             "error_class": error_class,
             "error_message": error_message,
@@ -410,84 +318,59 @@ class InboxStore:
             "dlq_refused": dlq_refused,
             "dead_lettered_at": func.now(),
         }
-        stmt = insert(t).values(consumer=consumer, event_id=event.event_id, **values)
-        # A replayed event that fails again updates its row; `replays` is kept.
-        await db.execute(
-            stmt.on_conflict_do_update(index_elements=["consumer", "event_id"], set_=values)
+        stmt = insert(t).values(
+            consumer=consumer, event_id=event.event_id, history=list(history), **values
         )
-
-    def _dead_letter_query(self, f: DeadLetterFilter) -> Any:
-        t, inbox = self.tables.dead_letters, self.tables.inbox
-        query = select(t, inbox.c.status).select_from(
-            t.outerjoin(
-                inbox, and_(inbox.c.consumer == t.c.consumer, inbox.c.event_id == t.c.event_id)
+        both = t.c.history.op("||")(stmt.excluded.history)
+        await db.execute(
+            stmt.on_conflict_do_update(
+                index_elements=["consumer", "event_id"],
+                set_={**values, "history": capped_history(both)},
             )
         )
-        for col, value in (
-            (t.c.consumer, f.consumer),
-            (t.c.event_id, f.event_id),
-            (t.c.topic, f.topic),
-            (t.c.event_type, f.event_type),
-            (t.c.error_class, f.error_class),
-        ):
-            if value is not None:
-                query = query.where(col == value)
-        if f.before is not None:
-            query = query.where(t.c.dead_lettered_at < f.before)
-        if f.after is not None:
-            query = query.where(t.c.dead_lettered_at >= f.after)
-        if f.group is not None:
-            query = query.where(func.md5(self._error_pattern()) == f.group)
-        if f.keys is not None:
-            query = query.where(tuple_(t.c.consumer, t.c.event_id).in_(list(f.keys) or [("", "")]))
-        return query
-
-    def _error_pattern(self) -> Any:
-        """The error class and its message with the parts that differ per event blanked:
-        UUIDs, then hex ids of 8+ digits, then numbers; cut at 200 characters."""
-        t = self.tables.dead_letters
-        message = func.left(t.c.error_message, 200)
-        for pattern, blank in (
-            (_UUID, "<uuid>"),
-            ("\\m(?=[0-9a-fA-F]*[0-9])[0-9a-fA-F]{8,}\\M", "<hex>"),
-            ("[0-9]+", "<n>"),
-        ):
-            message = func.regexp_replace(message, pattern, blank, "g")
-        return t.c.error_class + ": " + message
 
     async def dead_letter_groups(
         self, db: Executor, f: DeadLetterFilter, limit: int = 100
     ) -> list[DeadLetterGroup]:
-        """The filtered dead letters grouped by :class:`DeadLetterGroup`, largest first."""
-        t = self.tables.dead_letters
-        pattern = self._error_pattern().label("pattern")
-        inner = (
-            self._dead_letter_query(f)
-            .with_only_columns(t.c.consumer, t.c.error_class, t.c.dead_lettered_at, pattern)
-            .subquery()
-        )
-        query = (
-            select(
-                func.md5(inner.c.pattern),
-                func.min(inner.c.error_class),
-                inner.c.pattern,
-                func.count(),
-                func.array_agg(func.distinct(inner.c.consumer)),
-                func.min(inner.c.dead_lettered_at),
-                func.max(inner.c.dead_lettered_at),
+        """The filtered dead letters grouped by :class:`DeadLetterGroup`, largest first,
+        each with its counts by state and how many were ever replayed."""
+        query = dead_letter_groups_query(self.tables, f, limit)
+        groups = []
+        for g, cls, p, frame, n, c, first, last, replayed, dead_again, *states in (
+            await db.execute(query)
+        ).all():
+            groups.append(
+                DeadLetterGroup(
+                    g,
+                    cls,
+                    p.split(": ", 1)[-1],
+                    int(n),
+                    tuple(c),
+                    first,
+                    last,
+                    frame or None,
+                    dict(zip(STATES, map(int, states), strict=True)),
+                    int(replayed),
+                    int(dead_again),
+                )
             )
-            .group_by(inner.c.pattern)
-            .order_by(func.count().desc(), inner.c.pattern)
-            .limit(limit)
+        return groups
+
+    async def count_by_state(self, db: Executor, f: DeadLetterFilter) -> dict[str, int]:
+        """How many of the filtered dead letters are in each state (STATES), zeros too."""
+        inbox = self.tables.inbox
+        query = (
+            dead_letter_query(self.tables, f)
+            .with_only_columns(inbox.c.status, func.count())
+            .group_by(inbox.c.status)
         )
-        rows = (await db.execute(query)).all()
-        return [
-            DeadLetterGroup(g, cls, p.split(": ", 1)[-1], int(n), tuple(c), first, last)
-            for g, cls, p, n, c, first, last in rows
-        ]
+        counts = dict.fromkeys(STATES, 0)
+        for status, n in (await db.execute(query)).all():
+            counts[state_of(status)] = counts.get(state_of(status), 0) + int(n)
+        return counts
 
     async def count_dead_letters(self, db: Executor, f: DeadLetterFilter) -> int:
-        query = self._dead_letter_query(f).with_only_columns(func.count())
+        query = dead_letter_query(self.tables, f).with_only_columns(func.count())
         return int((await db.execute(query)).scalar_one())
 
     async def dead_letters_by_day(self, db: Executor, days: int) -> list[tuple[dt.date, int]]:
@@ -501,6 +384,24 @@ class InboxStore:
             .order_by(day)
         )
         return [(d.date(), int(n)) for d, n in (await db.execute(query)).all()]
+
+    async def dead_letter_ids(
+        self, db: Executor, prefix: str, consumer: str | None, limit: int
+    ) -> tuple[list[str], int]:
+        """Up to ``limit`` distinct event ids of dead letters that start with ``prefix``
+        (``prefix`` itself first when it is one), and how many there are."""
+        t = self.tables.dead_letters
+        ids = select(t.c.event_id).where(t.c.event_id.startswith(prefix, autoescape=True))
+        if consumer is not None:
+            ids = ids.where(t.c.consumer == consumer)
+        found = ids.distinct().subquery()
+        query = (
+            select(found.c.event_id, func.count().over())
+            .order_by((found.c.event_id == prefix).desc(), found.c.event_id)
+            .limit(limit)
+        )
+        rows = (await db.execute(query)).all()
+        return [str(r[0]) for r in rows], int(rows[0][1]) if rows else 0
 
     async def dead_letters(
         self,
@@ -516,7 +417,7 @@ class InboxStore:
             if newest_first
             else (t.c.dead_lettered_at, t.c.event_id)
         )
-        query = self._dead_letter_query(f).order_by(*order).offset(offset or None)
+        query = dead_letter_query(self.tables, f).order_by(*order).offset(offset or None)
         if limit is not None:
             query = query.limit(limit)
         out = []
@@ -525,6 +426,7 @@ class InboxStore:
             names, values = data.pop("header_names"), data.pop("header_values")
             data["headers"] = tuple(zip(names, (bytes(v) for v in values), strict=True))
             data["inbox_status"] = data.pop("status")
+            data["history"] = tuple(Attempt.from_json(a) for a in data["history"] or ())
             out.append(DeadLetter(**data))
         return out
 
@@ -556,9 +458,30 @@ class InboxStore:
 
     async def purge_dead_letters(self, db: Executor, f: DeadLetterFilter) -> int:
         t = self.tables.dead_letters
-        keys = self._dead_letter_query(f).with_only_columns(t.c.consumer, t.c.event_id)
+        keys = dead_letter_query(self.tables, f).with_only_columns(t.c.consumer, t.c.event_id)
         result = await db.execute(delete(t).where(tuple_(t.c.consumer, t.c.event_id).in_(keys)))
         return int(result.rowcount)  # type: ignore[attr-defined]
+
+    # ------------------------------------------------------------ consumer stats
+
+    async def add_stats(self, db: Executor, consumer: str, counts: dict[str, float]) -> None:
+        """Add ``counts`` (processed, handler_seconds, dead_lettered, retries, duplicates)
+        to ``consumer``'s row of the current minute (database clock)."""
+        t = self.tables.consumer_stats
+        minute = func.date_trunc("minute", func.now())
+        stmt = insert(t).values(consumer=consumer, minute=minute, **counts)
+        await db.execute(
+            stmt.on_conflict_do_update(
+                index_elements=["consumer", "minute"],
+                set_={name: t.c[name] + stmt.excluded[name] for name in counts},
+            )
+        )
+
+    async def forget_stats(self, db: Executor, consumer: str, older_than: dt.timedelta) -> None:
+        t = self.tables.consumer_stats
+        await db.execute(
+            delete(t).where(t.c.consumer == consumer, t.c.minute < func.now() - older_than)
+        )
 
     def forget_consumer(self, consumer: str) -> list[Any]:
         """Statements deleting everything the inbox keeps for ``consumer`` (its processed
@@ -566,5 +489,11 @@ class InboxStore:
         t = self.tables
         return [
             delete(table).where(table.c.consumer == consumer)
-            for table in (t.inbox, t.inbox_attempts, t.dead_letters, t.inbox_sequences)
+            for table in (
+                t.inbox,
+                t.inbox_attempts,
+                t.dead_letters,
+                t.inbox_sequences,
+                t.consumer_stats,
+            )
         ]

@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 from aiokafka.errors import KafkaError
 
-from outbox import kafka_room
+from outbox.kafka import aiokafka_internals
 
 T = TypeVar("T")
 log = logging.getLogger("outbox.daemon")
@@ -29,11 +29,12 @@ def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
     return uvloop.new_event_loop
 
 
-def run(main: Coroutine[Any, Any, T]) -> T:
+def run_daemon(main: Coroutine[Any, Any, T]) -> T:
     """``asyncio.run`` on the fastest available loop."""
     # What exists by now (modules, the application's handlers and models) lives as long as
     # the process: out of the collector's reach, a full collection scans only what the
-    # daemon allocated since — a pause of ~1 ms instead of ~100 ms, a p99 hit otherwise.
+    # daemon allocated since: a pause a hundred times shorter, a p99 hit otherwise
+    # (docs/performance/relay.md).
     gc.freeze()
     with asyncio.Runner(loop_factory=_loop_factory()) as runner:
         runner.get_loop().set_exception_handler(_report)
@@ -42,7 +43,7 @@ def run(main: Coroutine[Any, Any, T]) -> T:
 
 def _report(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
     """asyncio's report of an error nobody handled, except one kind: a request aiokafka
-    runs shielded in a task of its own (``kafka_room.is_shielded_request``), given up by
+    runs shielded in a task of its own (``aiokafka_internals.is_shielded_request``), given up by
     the daemon (a broker that does not answer, at stop) and failing afterwards. Nothing
     waits for that answer any more: one DEBUG line, not an ERROR with a traceback.
     (Reports made as asyncio.run() ends carry the task under another key: left as they
@@ -50,7 +51,7 @@ def _report(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
     task, exc = context.get("future"), context.get("exception")
     if (
         isinstance(task, asyncio.Task)
-        and kafka_room.is_shielded_request(task)
+        and aiokafka_internals.is_shielded_request(task)
         and isinstance(exc, KafkaError)
     ):
         log.debug("a Kafka request given up earlier failed: %r", exc)

@@ -80,7 +80,8 @@ def check_finite(value: Any, what: str = "value") -> None:
         spelled, path = found
         raise PayloadError(
             f"{what} {_json_path(path)} is {spelled}: {NON_FINITE} (RFC 8259); "
-            "send null or a string"
+            "send null or a string",
+            what,
         )
 
 

@@ -54,6 +54,7 @@ SQLSTATES: Mapping[str, tuple[DbTrouble, str]] = MappingProxyType(
         "40P01": (CONFLICT, "deadlock detected"),
         "28": (REFUSED, "invalid authorization: authentication failed, access refused"),
         "3D000": (REFUSED, "unknown database"),
+        "42501": (REFUSED, "insufficient privilege: a grant is missing (outbox db sql --roles)"),
     }
 )
 

@@ -21,7 +21,7 @@ from pydantic_core import PydanticSerializationError, to_json
 
 from outbox import identifiers
 from outbox.canonical import canonical_json, check_finite
-from outbox.errors import PayloadError, PayloadTooLarge
+from outbox.errors import InvalidText, InvalidTopic, PayloadError, PayloadTooLarge
 
 JSON = "application/json"
 OCTET_STREAM = "application/octet-stream"
@@ -34,6 +34,11 @@ RESERVED_HEADERS = frozenset(
     {"ce_id", "ce_type", "ce_source", "ce_time", "ce_specversion", "content-type", SEQUENCE_HEADER}
 )
 MAX_SEQUENCE = 2**63 - 1
+MAX_EVENT_TYPE_CHARS = 255
+# The WAL encoding's length field (u16); the same limit in both sources.
+MAX_SOURCE_BYTES = 65_535
+# 100 years: PostgreSQL's timestamps end in 294276 AD, and no delay needs more.
+MAX_DELAY_SECONDS = 3_155_760_000
 
 
 class Tombstone(enum.Enum):
@@ -131,24 +136,27 @@ def encode_payload(payload: Payload) -> tuple[bytes | None, str | None]:
         return bytes(payload), OCTET_STREAM
     if payload is TOMBSTONE:
         return None, None
-    if isinstance(payload, BaseModel):
-        data = payload.model_dump_json().encode()
-    elif isinstance(payload, Mapping | list):
-        try:
-            data = to_json(payload)
-        except PydanticSerializationError as exc:
-            raise PayloadError(f"payload is not JSON-serializable: {exc}") from None
-    elif payload is None:
+    if payload is None:
         raise PayloadError(
             "payload is None; to delete the key from a compacted topic publish "
             "payload=outbox.TOMBSTONE (None is refused so that a missing payload never "
-            "deletes a key by accident)"
+            "deletes a key by accident)",
+            "payload",
         )
-    else:
-        raise PayloadError(
-            "payload must be a pydantic model, a dict or list (JSON), bytes or "
-            f"outbox.TOMBSTONE, not {type(payload).__name__}"
-        )
+    try:
+        if isinstance(payload, BaseModel):
+            data = payload.model_dump_json().encode()
+        elif isinstance(payload, Mapping | list):
+            data = to_json(payload)
+        else:
+            raise PayloadError(
+                "payload must be a pydantic model, a dict or list (JSON), bytes or "
+                f"outbox.TOMBSTONE, not {type(payload).__name__}",
+                "payload",
+            )
+    except PydanticSerializationError as exc:
+        # e.g. an object JSON has no form for, a lone surrogate, nesting too deep.
+        raise PayloadError(f"payload is not JSON-serializable: {exc}", "payload") from None
     # A NaN or infinity shows up in the output as one of these words (pydantic models write
     # null by default). Only then is the payload walked: the word may be inside a string.
     if b"NaN" in data or b"Infinity" in data or b"null" in data:
@@ -160,8 +168,35 @@ def _encode_key(key: str | bytes | None) -> bytes | None:
     if key is None or isinstance(key, bytes):
         return key
     if isinstance(key, str):
-        return key.encode()
-    raise PayloadError(f"key must be str, bytes or None, not {type(key).__name__}")
+        try:
+            return key.encode()
+        except UnicodeEncodeError as exc:
+            raise InvalidText("key", _surrogate(exc)) from None
+    raise PayloadError(f"key must be str, bytes or None, not {type(key).__name__}", "key")
+
+
+def _surrogate(exc: UnicodeEncodeError) -> str:
+    return (
+        f"holds a lone surrogate at index {exc.start} (not encodable as UTF-8); "
+        "give bytes for binary data"
+    )
+
+
+def text_bytes(value: object, field: str) -> int:
+    """The UTF-8 size of a text field; a typed error when it is not text that a column, a
+    JSON document and a Kafka header can all carry (see :class:`InvalidText`)."""
+    if not isinstance(value, str):
+        raise PayloadError(f"{field} must be a string, not {type(value).__name__}", field)
+    if "\x00" in value:
+        raise InvalidText(
+            field, "holds a NUL character (U+0000), which PostgreSQL text and jsonb cannot store"
+        )
+    if value.isascii():  # O(1) in CPython: the common case costs no encoding
+        return len(value)
+    try:
+        return len(value.encode())
+    except UnicodeEncodeError as exc:
+        raise InvalidText(field, _surrogate(exc)) from None
 
 
 def _event_id(value: uuid.UUID | str | None) -> uuid.UUID:
@@ -172,30 +207,71 @@ def _event_id(value: uuid.UUID | str | None) -> uuid.UUID:
     try:
         return uuid.UUID(str(value))
     except ValueError:
+        pass
+    raise PayloadError(
+        f"event_id {value!r:.80} is not a UUID; derive one with outbox.idempotency_key()",
+        "event_id",
+    )
+
+
+def _headers(headers: Mapping[str, str]) -> tuple[dict[str, str], int]:
+    """The headers as a plain dict, and their size in bytes (names and values)."""
+    if type(headers) is not dict and not isinstance(headers, Mapping):
         raise PayloadError(
-            f"event_id {value!r} is not a UUID; derive one with outbox.idempotency_key()"
-        ) from None
-
-
-def _headers(headers: Mapping[str, str]) -> dict[str, str]:
+            f"headers must be a mapping of str to str, not {type(headers).__name__}", "headers"
+        )
     out: dict[str, str] = {}
+    size = 0
     for name, value in headers.items():
         if not isinstance(name, str) or not isinstance(value, str):
-            raise PayloadError("headers must map str to str")
+            raise PayloadError("headers must map str to str", "headers")
         if name.lower() in RESERVED_HEADERS:
-            raise PayloadError(f"header {name!r} is reserved: the relay sets it from the row")
+            raise PayloadError(
+                f"header {name!r} is reserved: the relay sets it from the row", "headers"
+            )
+        if name.isascii() and value.isascii() and "\x00" not in name and "\x00" not in value:
+            size += len(name) + len(value)  # the usual header: no encoding, no call
+        else:
+            size += text_bytes(name, "headers")
+            try:
+                size += text_bytes(value, "header")
+            except InvalidText as exc:  # named here: the f-string costs on every header
+                raise InvalidText(f"header {name!r:.80}", exc.reason) from None
         out[name] = value
-    return out
+    return out, size
 
 
 def _sequence(value: int | None, key: bytes | None) -> str | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_SEQUENCE:
-        raise PayloadError(f"sequence must be an integer from 0 to {MAX_SEQUENCE}")
+        raise PayloadError(f"sequence must be an integer from 0 to {MAX_SEQUENCE}", "sequence")
     if key is None:
-        raise PayloadError("sequence needs a key: it orders the versions of one key")
+        raise PayloadError("sequence needs a key: it orders the versions of one key", "sequence")
     return f"{value:020d}"
+
+
+def _delay(value: object) -> float:
+    """``delay_seconds`` as a float: finite, from 0 to :data:`MAX_DELAY_SECONDS`."""
+    if (type(value) is float or type(value) is int) and 0 <= value <= MAX_DELAY_SECONDS:
+        return float(value)
+    if type(value) is not float and type(value) is not int:
+        try:
+            if isinstance(value, bool | str | bytes):
+                raise TypeError
+            value = float(value)  # type: ignore[arg-type]
+        except (TypeError, ValueError, OverflowError):
+            raise PayloadError(
+                f"delay_seconds must be a number, not {type(value).__name__}", "delay_seconds"
+            ) from None
+    # NaN fails both comparisons; an infinity the upper one.
+    if not 0 <= value <= MAX_DELAY_SECONDS:
+        raise PayloadError(
+            f"delay_seconds must be a finite number from 0 to {MAX_DELAY_SECONDS} (100 "
+            f"years), not {value!r}",
+            "delay_seconds",
+        )
+    return float(value)
 
 
 def fingerprint(topic: str, key: bytes | None, event_type: str, payload: bytes | None) -> bytes:
@@ -241,33 +317,48 @@ def same_event(row: Row, stored: StoredEvent) -> bool:
 
 def prepare(message: Message, *, lanes: int, max_bytes: int, default_source: str) -> Row:
     """Validate and encode one message; raises a :class:`PayloadError` subclass if bad."""
-    identifiers.kafka_name(message.topic, "topic")
-    if not message.event_type or len(message.event_type) > 255:
-        raise PayloadError("event_type must be a non-empty string of at most 255 characters")
-    if message.delay_seconds < 0:
-        raise PayloadError("delay_seconds must not be negative")
+    if not isinstance(message, Message):
+        raise PayloadError(f"messages must be outbox.Message, not {type(message).__name__}")
+    topic = message.topic
+    if not identifiers.is_kafka_name(topic):
+        raise InvalidTopic(identifiers.kafka_name_problem(topic))
+    event_type = message.event_type
+    if text_bytes(event_type, "event_type") == 0 or len(event_type) > MAX_EVENT_TYPE_CHARS:
+        raise PayloadError(
+            f"event_type must be a non-empty string of at most {MAX_EVENT_TYPE_CHARS} characters",
+            "event_type",
+        )
+    source = message.source
+    if source in (None, ""):  # the default source
+        source = default_source
+    elif text_bytes(source, "source") > MAX_SOURCE_BYTES:
+        raise PayloadError(f"source is longer than {MAX_SOURCE_BYTES} bytes (UTF-8)", "source")
+    delay = _delay(message.delay_seconds)
     payload, content_type = encode_payload(message.payload)
     key = _encode_key(message.key)
     if payload is None and key is None:
-        raise PayloadError("a tombstone needs a key: it deletes that key from a compacted topic")
-    headers = _headers(message.headers)
+        raise PayloadError(
+            "a tombstone needs a key: it deletes that key from a compacted topic", "key"
+        )
+    headers, size = _headers(message.headers)
     sequence = _sequence(message.sequence, key)
     if sequence is not None:
         headers[SEQUENCE_HEADER] = sequence
-    size = len(payload or b"") + len(key or b"") + sum(len(k) + len(v) for k, v in headers.items())
+        size += len(SEQUENCE_HEADER) + len(sequence)
+    size += len(payload or b"") + len(key or b"")
     if size > max_bytes:
         raise PayloadTooLarge(size, max_bytes)
     event_id = _event_id(message.event_id)
     return Row(
         event_id=event_id,
-        topic=message.topic,
+        topic=topic,
         key=key,
         lane=lane_for(key, event_id, lanes),
-        event_type=message.event_type,
-        source=message.source or default_source,
+        event_type=event_type,
+        source=source,
         content_type=content_type,
         payload=payload,
         headers=json.dumps(headers, separators=(",", ":")),
-        fingerprint=fingerprint(message.topic, key, message.event_type, payload),
-        delay_seconds=float(message.delay_seconds),
+        fingerprint=fingerprint(topic, key, event_type, payload),
+        delay_seconds=delay,
     )

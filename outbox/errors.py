@@ -21,6 +21,11 @@ class NotFound(OutboxError):
     """An operator named something that does not exist (a dead letter, an effect)."""
 
 
+class AmbiguousId(OutboxError):
+    """An operator named a record by an id prefix (or without the consumer) that fits more
+    than one: the message says how many, and what to add."""
+
+
 class ConfigurationError(OutboxError):
     """Settings are invalid (bad DSN, bad identifier, impossible limits)."""
 
@@ -42,27 +47,72 @@ class PoolerUnsupported(ConfigurationError):
 
 
 class InvalidIdentifier(ConfigurationError):
-    """A schema, table prefix, topic or consumer name is not a safe identifier."""
+    """A schema, table prefix, topic or consumer name is not a safe identifier (the whole
+    string is checked: a trailing newline is refused too)."""
 
 
-class SchemaMissing(OutboxError):
-    """The framework's tables do not exist in the configured schema."""
+class SchemaMissing(ConfigurationError):
+    """The framework's tables do not exist in the configured schema. A configuration error
+    (daemons exit 2 before joining anything): the same settings fail the same way until
+    someone runs ``outbox db upgrade``."""
+
+    action = "to create the outbox tables"
 
     def __init__(self, detail: str) -> None:
-        super().__init__(f"{detail}; run `outbox db upgrade` to create the outbox tables")
+        super().__init__(f"{detail}; run `outbox db upgrade` {self.action}")
+
+
+class SchemaOutdated(SchemaMissing):
+    """The database's schema is at an older revision than this version of the package
+    needs (``outbox db current`` says which)."""
+
+    action = "to bring them up to date"
 
 
 class PayloadError(OutboxError):
-    """A payload, key or header cannot be published as given."""
+    """A message cannot be published as given: ``field`` names the part at fault
+    (``topic``, ``key``, ``event_type``, ``source``, ``headers``, ``payload``,
+    ``delay_seconds``, ``sequence``, ``event_id``; None when the message as a whole is) and
+    the message says why. Raised by ``publish``, ``publish_many`` and their async forms
+    before anything is written; the transaction is left as it was."""
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+class InvalidText(PayloadError):
+    """A text field (``event_type``, ``source``, a header's name or value; ``key`` when
+    given as ``str``) holds what no column or record can carry as text: a NUL character
+    (U+0000, refused by PostgreSQL's ``text`` and ``jsonb``, in either source: the relay
+    writes the event's text to the ``failed`` table should Kafka refuse it) or a lone
+    surrogate (not encodable as UTF-8). Send such data in the payload, or as ``bytes``
+    for the key."""
+
+    def __init__(self, field: str, reason: str) -> None:
+        super().__init__(f"{field} {reason}", field)
+        self.reason = reason
+
+
+class InvalidTopic(InvalidIdentifier, PayloadError):
+    """``publish`` was given a topic that is not a valid Kafka topic name (not a string,
+    empty, over 249 characters, or holding anything but ASCII letters, digits, ``.``,
+    ``_`` and ``-``, e.g. a trailing newline). Both an :class:`InvalidIdentifier` and a
+    :class:`PayloadError` (``field`` is ``topic``)."""
+
+    def __init__(self, message: str) -> None:
+        PayloadError.__init__(self, message, "topic")
 
 
 class PayloadTooLarge(PayloadError):
-    """The encoded record exceeds ``max_payload_bytes``."""
+    """The encoded record exceeds ``max_payload_bytes``: payload, key and user headers
+    (names and values), counted in bytes (UTF-8 for text)."""
 
     def __init__(self, size: int, limit: int) -> None:
         super().__init__(
             f"record is {size} bytes, over the limit of {limit} bytes "
-            "(OUTBOX_MAX_PAYLOAD_BYTES; Kafka's default max.message.bytes is 1 MiB)"
+            "(OUTBOX_MAX_PAYLOAD_BYTES; Kafka's default max.message.bytes is 1 MiB)",
+            "payload",
         )
         self.size = size
         self.limit = limit
@@ -76,7 +126,8 @@ class UnsupportedInWalMode(PayloadError):
     def __init__(self, option: str) -> None:
         super().__init__(
             f"{option} is not supported with OUTBOX_SOURCE=wal (events in the WAL are "
-            "published as soon as they commit); publish without it, or use the table source"
+            "published as soon as they commit); publish without it, or use the table source",
+            option,
         )
         self.option = option
 
@@ -114,10 +165,51 @@ class DatabaseRefused(ConnectionRefused):
         self.sqlstate = sqlstate
 
 
+class PrivilegeMissing(ConfigurationError):
+    """The role a daemon logs in as may not read or write the framework's tables (SQLSTATE
+    42501) at start-up: a login user that is not yet a member of its job's role. ``outbox db
+    sql --roles`` prints the grants; daemons exit 2."""
+
+    def __init__(self, message: str, sqlstate: str | None = None) -> None:
+        super().__init__(message)
+        self.sqlstate = sqlstate
+
+
 class BrokerUnavailable(OutboxError):
     """Kafka could not be reached or did not acknowledge in time."""
 
     retriable = True
+
+
+class RecordRejected(OutboxError):
+    """Kafka refuses this record permanently (too large, invalid topic, not authorized).
+
+    Retrying cannot help by itself, so the event's attempts are counted and, after
+    ``relay.max_attempts``, it is moved to the failed table.
+    """
+
+    retriable = False
+
+
+class ProducerBroken(OutboxError):
+    """The Kafka producer must be recreated (lost idempotence state, fenced, closed)."""
+
+    retriable = True
+
+
+class GroupError(OutboxError):
+    """The consumer group refused or dropped this member (``name``: Kafka's error, as the
+    client reported it: ``FencedInstanceIdError``, ``InvalidSessionTimeoutError``...)."""
+
+    def __init__(self, name: str, detail: str) -> None:
+        super().__init__(f"Kafka consumer group error: {detail}")
+        self.name = name
+
+
+class CommitRefused(OutboxError):
+    """The group took an offset commit away from this member: its partitions moved (a
+    rebalance) or are no longer assigned. Nothing is lost: whoever reads them next starts
+    at the last committed offset, and the inbox skips what was applied."""
 
 
 class BrokerRefused(ConnectionRefused):

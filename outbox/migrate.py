@@ -4,22 +4,28 @@ from __future__ import annotations
 
 import contextlib
 import io
+import logging
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TextIO
 
+import psycopg
 from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from alembic.util import CommandError
+from sqlalchemy import Connection, inspect
+from sqlalchemy.exc import DBAPIError
 
 from outbox.db import sync_engine, translated_errors
-from outbox.errors import ConfigurationError
+from outbox.errors import ConfigurationError, PrivilegeMissing, SchemaMissing, SchemaOutdated
 from outbox.migrations.naming import version_table
 from outbox.settings import OutboxSettings
+from outbox.tables import build_tables
 
 _SCRIPTS = Path(__file__).parent / "migrations"
+log = logging.getLogger("outbox.migrate")
 
 
 def alembic_config(settings: OutboxSettings | None = None, stdout: TextIO | None = None) -> Config:
@@ -70,7 +76,19 @@ def sql(settings: OutboxSettings, revision: str = "head") -> str:
 
 def head() -> str:
     """The newest revision shipped with this version of the package."""
-    return str(ScriptDirectory.from_config(alembic_config()).get_current_head())
+    return str(_scripts().get_current_head())
+
+
+def _scripts() -> ScriptDirectory:
+    return ScriptDirectory.from_config(alembic_config())
+
+
+def _revision(conn: Connection, settings: OutboxSettings) -> str | None:
+    ctx = MigrationContext.configure(
+        conn,
+        opts={"version_table": version_table(settings), "version_table_schema": settings.db_schema},
+    )
+    return ctx.get_current_revision()
 
 
 def current(settings: OutboxSettings) -> str | None:
@@ -78,13 +96,65 @@ def current(settings: OutboxSettings) -> str | None:
     engine = sync_engine(settings, pool_pre_ping=False)
     try:
         with translated_errors(), engine.connect() as conn:
-            ctx = MigrationContext.configure(
-                conn,
-                opts={
-                    "version_table": version_table(settings),
-                    "version_table_schema": settings.db_schema,
-                },
-            )
-            return ctx.get_current_revision()
+            return _revision(conn, settings)
     finally:
         engine.dispose()
+
+
+@contextlib.contextmanager
+def _privilege_errors() -> Iterator[None]:
+    """A role refused the version table is refused the rest too: a configuration error that
+    names the grants to run, not an unexpected driver error."""
+    try:
+        yield
+    except DBAPIError as exc:
+        if not isinstance(exc.orig, psycopg.errors.InsufficientPrivilege):
+            raise
+        raise PrivilegeMissing(
+            f"{exc.orig.diag.message_primary}: this role needs its job's grants "
+            "(`outbox db sql --roles` prints them; make the login user a member of its job's role)",
+            exc.orig.sqlstate,
+        ) from exc
+
+
+def check_schema(settings: OutboxSettings) -> str | None:
+    """What a daemon runs before it joins anything (a consumer group, the relays' lanes):
+    raise :class:`SchemaMissing` unless the database holds the tables this version needs.
+
+    With the framework's version table, its revision must be this package's head; an older
+    one is :class:`SchemaOutdated`; one this package does not know was written by a newer
+    version during a rollout and is accepted with a WARNING (every migration so far only
+    adds tables and indexes). Without it (a team that keeps the tables in its own Alembic
+    history, or never migrated) every table :func:`outbox.build_tables` declares must exist.
+    Returns the revision (None without the version table). An unreachable database is
+    :class:`outbox.errors.DatabaseUnavailable`, for the caller to retry."""
+    engine = sync_engine(settings, pool_pre_ping=False, pool_size=1, max_overflow=0)
+    try:
+        with _privilege_errors(), translated_errors(), engine.connect() as conn:
+            revision = _revision(conn, settings)
+            present = set() if revision else set(inspect(conn).get_table_names(settings.db_schema))
+    finally:
+        engine.dispose()
+    where = f"schema {settings.db_schema!r}"
+    if revision is None:
+        tables = sorted(build_tables(settings).metadata.tables.values(), key=lambda t: t.name)
+        missing = [t.name for t in tables if t.name not in present]
+        if len(missing) == len(tables):
+            raise SchemaMissing(f"no outbox tables in {where} (prefix {settings.table_prefix!r})")
+        if missing:
+            raise SchemaMissing(f"tables missing in {where}: {', '.join(missing)}")
+        return None
+    newest = head()
+    if revision == newest:
+        return revision
+    try:
+        _scripts().get_revision(revision)
+    except CommandError:  # not in this package's history: a newer version wrote it
+        log.warning(
+            "database schema is newer than this version of outbox-inbox: running on",
+            extra={"revision": revision, "head": newest},
+        )
+        return revision
+    raise SchemaOutdated(
+        f"database {where} at revision {revision}, this version of outbox-inbox needs {newest}"
+    )

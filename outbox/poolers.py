@@ -24,10 +24,10 @@ in a namespace of its own; it takes a few milliseconds:
 4. Steps 2 and 3 run three times: other clients' traffic between A's question and B's can
    send B to another server session once, rarely three times in a row.
 
-This is evidence, not proof: a transaction pooler under heavy traffic could pass it. The
-relay therefore also checks, at every heartbeat, that its lock connection still answers
-from the backend that took its locks (``relay/lanes.py``), and ``db_pooler=transaction``
-is always taken at its word.
+This is evidence, not proof: a transaction pooler under heavy traffic could pass it. The relay
+therefore also checks, at every heartbeat, that its lock connection still answers from the backend
+that took its locks (``relay/sources/table/lanes.py``), and ``db_pooler=transaction`` is always
+taken at its word.
 
 Behind a transaction pooler A's unlock lands wherever the pooler sends it, so the lock may
 stay on a pooled server session until the pooler recycles that connection; its key is
@@ -46,12 +46,13 @@ from typing import Any, LiteralString
 import psycopg
 
 from outbox.db import unavailable
+from outbox.dsn import server_of
 from outbox.errors import DatabaseUnavailable, PoolerUnsupported
 from outbox.settings import OutboxSettings, PoolerMode
 from outbox.store import PROBE_HOLDERS, PROBE_LOCK, PROBE_UNLOCK
 
 # The probe lock's namespace (first advisory-lock key): the relay's namespaces start with
-# 0x1, 0x2 and 0x3 (relay/store.py), so this one never meets theirs.
+# 0x1, 0x2 and 0x3 (relay/sources/table/store.py), so this one never meets theirs.
 PROBE_NAMESPACE = 0x4F425053
 _CONNECT_TIMEOUT = 5  # seconds, libpq's connect_timeout
 _ROUNDS = 3
@@ -70,7 +71,7 @@ class SessionProbe:
 
     mode: PoolerMode  # none: PostgreSQL itself; session / transaction: a pooler's mode
     pooler: str | None  # "PgBouncer", "Supavisor", "RDS Proxy", "a connection pooler"
-    address: str  # host:port of the URL (never its credentials)
+    address: str  # host:port of the server reached, and whether a primary (outbox/dsn.py)
     evidence: str  # what was observed, one clause
 
     @property
@@ -100,6 +101,8 @@ async def probe_session(
     dsn = settings.libpq_dsn
     params = {"ns": PROBE_NAMESPACE, "key": secrets.randbelow(2**31 - 2) + 1}
     a = conn or await _connect(dsn)
+    # The server this connection reached: with several hosts in the URL, not its first.
+    host, port, address = a.info.host, a.info.port, server_of(a.info)
     try:
         pid, _ = await _ask(a, PROBE_LOCK, params, wait_seconds)
         front = a.info.backend_pid != pid
@@ -116,17 +119,15 @@ async def probe_session(
     finally:
         if conn is None:
             await a.close()
-    url = settings.sqlalchemy_url
-    address = f"{url.host or 'localhost'}:{url.port or 5432}"
     if moved is not None:
-        name = await _pooler_name(dsn, url.host, url.port)
+        name = await _pooler_name(dsn, host, port)
         return SessionProbe("transaction", name, address, moved)
     if not front:
         return SessionProbe("none", None, address, f"backend pid {pid}")
     evidence = "each client connection kept a server session of its own"
     if full:
         evidence += f"; the pool was full (a second connection waited {wait_seconds:g}s)"
-    return SessionProbe("session", await _pooler_name(dsn, url.host, url.port), address, evidence)
+    return SessionProbe("session", await _pooler_name(dsn, host, port), address, evidence)
 
 
 async def _rounds(

@@ -20,6 +20,7 @@ from outbox.db import translated_errors
 from outbox.envelope import Message, MessageFields, Row
 from outbox.errors import PayloadMismatch, UnsupportedInWalMode
 from outbox.settings import OutboxSettings
+from outbox.sources import source_of
 from outbox.store import ProducerStore, WalProducerStore
 from outbox.tables import build_tables
 
@@ -45,7 +46,8 @@ class Outbox:
         self.settings = settings
         self.tables = build_tables(settings)
         self._store = ProducerStore(self.tables)
-        self._wal = WalProducerStore(settings.wal.prefix) if settings.source == "wal" else None
+        wal = source_of(settings).reads_slot
+        self._wal = WalProducerStore(settings.wal.prefix) if wal else None
 
     # -- preparation and checks shared by both paths (no I/O) --------------------------
     def _prepare(self, messages: Iterable[Message]) -> list[Row]:

@@ -11,7 +11,7 @@ running as the tables' owner. Advisory locks (the relay's lanes) need no grant.
 * relay — claims (``FOR UPDATE SKIP LOCKED`` needs UPDATE), deletes or marks published rows,
   puts back unacknowledged ones (INSERT), moves rejected ones to ``failed``, its heartbeat
   table ``relays``; reads the outbox id sequence's last value (the claim horizon,
-  relay/cursor.py; ``pg_locks`` needs no grant).
+  relay/sources/table/cursor.py; ``pg_locks`` needs no grant).
 * consumer — the inbox, attempt markers, dead letters, sequence guard, and the effects
   ledger; never the outbox (a handler that publishes gets the producer role too). The
   user's own tables are the user's to grant.
@@ -94,8 +94,8 @@ def roles_sql(settings: OutboxSettings, role_prefix: str | None = None) -> str:
         _grant_id_sequence(table(t.events.name), roles["relay"]),
         "-- consumer",
         f"GRANT {_ALL} ON "
-        f"{tables('inbox', 'inbox_attempts', 'dead_letters', 'inbox_sequences', 'effects')} "
-        f"TO {r['consumer']};",
+        f"{tables('inbox', 'inbox_attempts', 'dead_letters', 'inbox_sequences', 'effects')}, "
+        f"{tables('consumer_stats')} TO {r['consumer']};",
         "-- operator",
         f"GRANT SELECT, UPDATE, DELETE ON {', '.join(table(n) for n in every_table)} "
         f"TO {r['operator']};",

@@ -21,9 +21,11 @@ from typing import Any
 
 from sqlalchemy import (
     BigInteger,
+    Boolean,
     CheckConstraint,
     Column,
     DateTime,
+    Double,
     Identity,
     Index,
     Integer,
@@ -69,11 +71,12 @@ class Tables:
     metadata: MetaData
     events: Table  # core: the outbox itself
     failed: Table  # relay: rows Kafka rejected permanently, moved aside
-    relays: Table  # relay: live relay processes and the lanes they own
+    relays: Table  # relay: live relay processes, their source, lanes and maintenance role
     inbox: Table  # inbox: (consumer, event_id) processed, dead-lettered or skipped
     inbox_attempts: Table  # inbox: durable attempt marker per (consumer, partition)
     dead_letters: Table  # inbox: dead-lettered records, kept for inspection and replay
     inbox_sequences: Table  # inbox: highest applied sequence per (consumer, key)
+    consumer_stats: Table  # inbox: events and handler time per (consumer, minute)
     idempotency: Table  # core: idempotent request records (the Stripe pattern)
     effects: Table  # effects: the side-effect ledger, one row per intended external effect
 
@@ -107,7 +110,7 @@ def _events(md: MetaData, prefix: str) -> Table:
         md,
         # Ordering inside a lane is by id. ids are assigned at INSERT, so a row with a lower
         # id can become visible after a higher one; the relay's claim cursors never pass an
-        # id whose writer may still commit (relay/cursor.py).
+        # id whose writer may still commit (relay/sources/table/cursor.py).
         Column("id", BigInteger, Identity(always=False), primary_key=True),
         *_record_columns(),
         Column("headers", JSONB, nullable=False, server_default=text("'{}'::jsonb")),
@@ -156,6 +159,10 @@ def _relays(md: MetaData, prefix: str) -> Table:
         Column("started_at", DateTime(timezone=True), nullable=False, server_default=NOW),
         Column("heartbeat_at", DateTime(timezone=True), nullable=False, server_default=NOW),
         Column("lanes", ARRAY(SmallInteger), nullable=False, server_default=text("'{}'")),
+        # Where it reads events (OUTBOX_SOURCE: table or wal), and whether it runs the
+        # maintenance services (the one relay holding the maintenance leader's lock).
+        Column("source", Text, nullable=False, server_default=text("'table'")),
+        Column("maintenance", Boolean, nullable=False, server_default=text("false")),
     )
 
 
@@ -235,6 +242,9 @@ def _dead_letters(md: MetaData, prefix: str) -> Table:
         Column("dead_lettered_at", DateTime(timezone=True), nullable=False, server_default=NOW),
         Column("replays", Integer, nullable=False, server_default=text("0")),
         Column("replayed_at", DateTime(timezone=True), nullable=True),
+        # Every failed attempt behind the dead letter, replays included (oldest first):
+        # outbox/ops/deadletters.py Attempt; capped by inbox/sql.py (capped_history).
+        Column("history", JSONB, nullable=False, server_default=text("'[]'::jsonb")),
         Index(f"{name}_dead_lettered_at_idx", "dead_lettered_at"),
     )
 
@@ -250,6 +260,24 @@ def _inbox_sequences(md: MetaData, prefix: str) -> Table:
         Column("key", LargeBinary, primary_key=True),
         Column("sequence", BigInteger, nullable=False),
         Column("updated_at", DateTime(timezone=True), nullable=False, server_default=NOW),
+    )
+
+
+def _consumer_stats(md: MetaData, prefix: str) -> Table:
+    # What a consumer group's members did per minute (database clock): events processed,
+    # handler seconds, dead letters, retries, duplicates. Each member adds what it counted
+    # every few seconds, off the hot path (inbox/stats.py); the console charts the last
+    # hour. Rows older than a day are deleted by the members as they write.
+    return Table(
+        f"{prefix}consumer_stats",
+        md,
+        Column("consumer", Text, primary_key=True),
+        Column("minute", DateTime(timezone=True), primary_key=True),
+        Column("processed", BigInteger, nullable=False, server_default=text("0")),
+        Column("handler_seconds", Double, nullable=False, server_default=text("0")),
+        Column("dead_lettered", BigInteger, nullable=False, server_default=text("0")),
+        Column("retries", BigInteger, nullable=False, server_default=text("0")),
+        Column("duplicates", BigInteger, nullable=False, server_default=text("0")),
     )
 
 
@@ -369,6 +397,7 @@ def _build(schema: str, prefix: str) -> Tables:
         inbox_attempts=_inbox_attempts(md, prefix),
         dead_letters=_dead_letters(md, prefix),
         inbox_sequences=_inbox_sequences(md, prefix),
+        consumer_stats=_consumer_stats(md, prefix),
         idempotency=_idempotency(md, prefix),
         effects=_effects(md, prefix),
     )

@@ -26,6 +26,8 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from outbox.envelope import Message
+
 try:  # the optional extra: without it this module is inert and imports nothing
     from opentelemetry import trace as _trace
     from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
@@ -36,8 +38,6 @@ except ImportError:  # pragma: no cover - exercised by the import-blocking test
 if TYPE_CHECKING:
     from opentelemetry.context import Context
     from opentelemetry.trace import SpanContext, Tracer
-
-    from outbox.envelope import Message
 
 TRACEPARENT = "traceparent"
 TRACESTATE = "tracestate"
@@ -123,8 +123,13 @@ def with_trace_context(messages: Iterable[Message]) -> Iterable[Message]:
     carrier = current_context_headers()
     if not carrier:
         return messages
+    # What is not a Message with a mapping of headers is left for the checks to refuse.
     return [
-        m if TRACEPARENT in m.headers else dataclasses.replace(m, headers={**m.headers, **carrier})
+        dataclasses.replace(m, headers={**m.headers, **carrier})
+        if isinstance(m, Message)
+        and isinstance(m.headers, Mapping)
+        and TRACEPARENT not in m.headers
+        else m
         for m in messages
     ]
 

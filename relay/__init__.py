@@ -1,7 +1,8 @@
-"""The relay daemon: moves outbox rows to Kafka in order, in batches, crash-safe.
+"""The relay daemon: moves events to Kafka in order, in batches, crash-safe, from the
+outbox table or from the WAL (its sources: relay/sources/).
 
 ``Relay(settings).serve()`` runs it; ``relay.failed`` holds the operator functions for
-rows Kafka rejected permanently.
+events Kafka rejected permanently. docs/architecture.md maps its rooms.
 """
 
 from relay.daemon import Relay

@@ -1,10 +1,18 @@
-"""The relay daemon: lane manager + pipelines + one Kafka producer, watched together.
+"""The relay daemon: what every relay has, whatever its source, and its source's tasks,
+watched together.
 
-Every background task is watched: if one fails (e.g. the schema is missing), the relay
-stops the others and ``run`` raises that error. ``stop()`` (SIGTERM/SIGINT via
-:meth:`Relay.serve`) lets in-flight batches finish for up to ``shutdown_grace_seconds``;
-a batch still waiting after that is cancelled, which rolls its transaction back — its rows
-stay in the outbox. Lanes are released by closing the lock connection.
+The daemon owns the relay's identity and its row in the relays table (relay/registration.py:
+host, pid, source, lanes, maintenance), the Kafka side (relay/kafka/: the publisher and
+Kafka's state), the verdict on what Kafka answered (relay/verdict.py), the metrics and the
+status line, and the maintenance services it runs while it is their leader
+(relay/maintenance/). Its source (relay/sources/: the outbox table, or a WAL slot) reads
+events, hands them to the publisher and settles them.
+
+Every task is watched: if one fails (e.g. the schema is missing), the relay stops the others
+and ``run`` raises that error. ``stop()`` (SIGTERM/SIGINT via :meth:`Relay.serve`) lets
+in-flight batches finish for up to ``shutdown_grace_seconds``; a batch still waiting after
+that is cancelled, which rolls its transaction back (its rows stay in the outbox) or leaves
+its events unconfirmed in the slot. Locks are released by closing their connections.
 """
 
 from __future__ import annotations
@@ -14,29 +22,30 @@ import contextlib
 import logging
 from wsgiref.simple_server import WSGIServer
 
-from outbox import kafka_room
-from outbox.daemon import serve_http, stop_on_signals
 from outbox.errors import ConfigurationError, DatabaseUnavailable, TopicMissing
+from outbox.kafka import aiokafka_internals
+from outbox.lifecycle import serve_http, stop_on_signals
 from outbox.ops.topics import relay_topics
+from outbox.outages import Dependency
 from outbox.poolers import SessionProbe
 from outbox.resilience.retry import RetryPolicy
 from outbox.settings import OutboxSettings
-from relay.crew import Crew
-from relay.cursor import ClaimCursors
-from relay.horizon import HorizonWatch
-from relay.kafka_state import KafkaState
-from relay.lanes import LaneManager, check_session
-from relay.maintenance import run_maintenance
-from relay.metrics import RelayMetrics
-from relay.pipeline import Pipeline
-from relay.publisher import Publisher
+from outbox.status_line import StatusLine
+from relay.database import Database
+from relay.kafka.publisher import Publisher
+from relay.kafka.state import KafkaState
+from relay.maintenance import maintenance_for
+from relay.maintenance.leader import Leadership
+from relay.metrics import STATUS_DRIFTING, RelayMetrics
+from relay.registration import Identity, Registration
+from relay.sources import entry_for
+from relay.sources.base import Shared
 from relay.store import RelayStore
+from relay.verdict import Verdicts
 from relay.waiting import sleep_unless
-from relay.wal_source import WalSource
 
 log = logging.getLogger("relay")
 _PREFLIGHT_SECONDS = 10
-STATUS_EVERY_SECONDS = 10.0
 
 
 class Relay:
@@ -44,19 +53,44 @@ class Relay:
 
     def __init__(self, settings: OutboxSettings, *, metrics_port: int | None = None) -> None:
         settings = settings.for_relay()  # its own URL, when relay.database_url is set
-        self.settings = settings
-        self.metrics = RelayMetrics(lanes=settings.lanes)
+        self._settings = settings
         self._metrics_port = metrics_port
-        self._store = RelayStore(settings)
-        self.cursors = ClaimCursors()
-        self.lanes = LaneManager(settings, self._store, self.metrics, self.cursors)
-        self._publisher = Publisher(settings, self.metrics)
-        self._kafka = KafkaState(RetryPolicy.from_settings(settings.retry), self.metrics)
-        # source = "wal": one reader of the replication slot instead of lanes and pipelines.
-        self.wal = (
-            WalSource(settings, self._publisher, self._kafka, self.metrics)
-            if settings.source == "wal"
-            else None
+        self.identity = Identity()
+        self.metrics = RelayMetrics(lanes=settings.lanes)
+        self.database = Database(settings)
+        # Shared by every task: one log line per database outage, and the status line's
+        # "unknown" while it lasts.
+        self._database_state = Dependency("database", log)
+        entry = entry_for(settings)
+        # Kafka through the client interface of outbox/kafka/client.py (aiokafka behind it).
+        self._publisher = Publisher.from_settings(settings, entry.wording, self.metrics)
+        retry = RetryPolicy.from_settings(settings.retry)
+        self._kafka = KafkaState(retry, self.metrics)
+        shared = Shared(
+            database=self.database,
+            database_state=self._database_state,
+            db_retry=retry,
+            publisher=self._publisher,
+            kafka=self._kafka,
+            metrics=self.metrics,
+            verdicts=Verdicts(
+                settings.relay.max_attempts, settings.retry, self._publisher.topic_missing
+            ),
+        )
+        self.source = entry.make(settings, shared)
+        store = RelayStore.of(settings)
+        self.maintenance = maintenance_for(
+            settings, self.database, store, self.metrics, self.source.retention_horizon
+        )
+        self.registration = Registration(
+            self.identity,
+            self.source.name,
+            self.source.owned_lanes,
+            self.database,
+            store,
+            shared.guard(),
+            Leadership(store, self.maintenance),
+            settings.relay.heartbeat_seconds,
         )
         self._stopping: asyncio.Event | None = None
         self._tasks: list[asyncio.Task[None]] = []
@@ -68,24 +102,40 @@ class Relay:
             self._stopping.set()
 
     def healthy(self) -> bool:
-        """Lock connection up, every task alive and no background task of the publisher
-        dead (what ``/healthz`` reports)."""
-        connected = self.lanes.connected if self.wal is None else self.wal.connected
+        """The source's connections up, every task alive and no background task of the
+        publisher dead (what ``/healthz`` reports)."""
         return (
-            connected
+            self.source.connected
             and bool(self._tasks)
             and not any(t.done() for t in self._tasks)
             and self._publisher.failure is None
         )
 
+    def status(self) -> dict[str, int | float | str]:
+        """The figures of the status line: every relay's, its source's, and the maintenance
+        watches' on the relay that runs them; what the database gives is ``unknown`` while
+        it is down."""
+        up = self._database_state.up
+        figures = {**self.metrics.status(), **self.source.status(up)}
+        if self.maintenance.leading:
+            figures |= self.metrics.vacuum_status(up)
+        return figures
+
     async def _report(self, stopping: asyncio.Event) -> None:
-        """A status line every ``STATUS_EVERY_SECONDS`` while running, like the consumer's:
-        an operator tailing the log sees the relay work without a metrics scraper."""
+        """The status line while running, like the consumer's (``outbox/status_line.py``:
+        every ``status.interval_seconds``, at INFO when a figure changed)."""
+        line = StatusLine(
+            log,
+            "relay status",
+            self._settings.status,
+            start=self.status(),
+            drifting=STATUS_DRIFTING,
+            fields={"relay_id": self.identity.relay_id},
+        )
         while not stopping.is_set():
-            await sleep_unless(stopping, STATUS_EVERY_SECONDS)
+            await sleep_unless(stopping, line.interval)
             if not stopping.is_set():
-                figures = self.metrics.status(self.settings.source)
-                log.info("relay status", extra={"relay_id": self.lanes.relay_id, **figures})
+                line.report(self.status())
 
     async def serve(self) -> None:
         """:meth:`run` with SIGTERM and SIGINT mapped to :meth:`stop`."""
@@ -93,30 +143,29 @@ class Relay:
             await self.run()
 
     async def preflight(self) -> None:
-        """Fail fast, before taking lanes, on what no retry can fix: the database or Kafka
-        refusing this configuration (credentials, unknown database, TLS), a transaction
-        pooler in front of the database (see relay/lanes.py) and the topics of
-        ``topics.names`` missing. Transient trouble (a database still starting, Kafka down)
-        is left to the loops, which retry with backoff (and probe the session then)."""
-        s = self.settings
+        """Fail fast, before taking lanes or the slot, on what no retry can fix: the
+        database or Kafka refusing this configuration (credentials, unknown database, TLS),
+        a transaction pooler in front of the database (relay/database.py) and the topics
+        of ``topics.names`` missing. Transient trouble (a database still starting, Kafka
+        down) is left to the loops, which retry with backoff (and probe the session then)."""
         try:
-            self._session = await check_session(s)
+            self._session = await self.database.check_session()
         except DatabaseUnavailable as exc:
             log.debug("database not ready at start", extra={"error": str(exc)})
         try:
             await asyncio.wait_for(self._publisher.ensure_started(), _PREFLIGHT_SECONDS)
         except ConfigurationError:  # refused by Kafka, or client settings that cannot work
             raise
-        except Exception as exc:  # retried by the pipelines, logged once there
+        except Exception as exc:  # retried by the source's loops, logged once there
             log.debug("Kafka not ready at start", extra={"error": repr(exc)})
             return
-        wanted = [spec.name for spec in relay_topics(s)]
+        wanted = [spec.name for spec in relay_topics(self._settings)]
         missing = [t for t in wanted if not await self._publisher.has_topic(t)]
         if missing:
             raise TopicMissing(", ".join(missing))
 
     async def run(self) -> None:
-        kafka_room.check()  # one WARNING if this aiokafka lost a capability the relay uses
+        aiokafka_internals.check()  # one WARNING if this aiokafka lost a capability we use
         await self.preflight()
         stopping = self._stopping = asyncio.Event()
         server: WSGIServer | None = None
@@ -124,28 +173,29 @@ class Relay:
             server = serve_http(
                 self.metrics.registry, self._metrics_port, self.healthy, name="relay-http"
             )
-        s = self.settings
+        s = self._settings
         log.info(
             "relay starting",
             extra={
-                "relay_id": self.lanes.relay_id,
-                "source": s.source,
-                "database": s.safe_database_url,
+                "relay_id": self.identity.relay_id,
+                "source": self.source.name,
+                "database": self.database.safe_url,
                 "session": self._session.describe() if self._session else None,
+                # The server reached (host, port, primary or standby), not the URL's first.
+                "server": self._session.address if self._session else None,
                 "kafka": s.kafka_bootstrap_servers,
                 "pipelines": s.relay.pipelines,
                 "batch_size": s.relay.batch_size,
                 "metrics_port": self._metrics_port,
             },
         )
-        if self.wal is not None:
-            self._tasks = [
-                asyncio.create_task(self.wal.run(stopping), name="wal"),
-                asyncio.create_task(self.wal.watch(stopping), name="wal-gauges"),
-            ]
-        else:
-            self._tasks = self._table_tasks(stopping)
-        self._tasks.append(asyncio.create_task(self._report(stopping), name="status"))
+        work = {
+            **self.source.tasks(stopping),
+            "registration": self.registration.run(stopping),
+            "maintenance": self.maintenance.run(stopping),
+            "status": self._report(stopping),
+        }
+        self._tasks = [asyncio.create_task(job, name=name) for name, job in work.items()]
         stop_wait = asyncio.create_task(stopping.wait())
         failure: BaseException | None = None
         try:
@@ -167,40 +217,8 @@ class Relay:
         if failure is not None:
             raise failure
 
-    def _table_tasks(self, stopping: asyncio.Event) -> list[asyncio.Task[None]]:
-        """The table source: the lane manager, the horizon watch and the pipelines."""
-        s = self.settings
-        crew = Crew(s.relay)
-        pipelines = [
-            Pipeline(
-                i,
-                s,
-                self._store,
-                self.lanes,
-                self._publisher,
-                self._kafka,
-                self.metrics,
-                self.cursors,
-                crew,
-            )
-            for i in range(s.relay.pipelines)
-        ]
-        horizon = HorizonWatch(s, self._store, self.cursors, self.metrics, self.lanes.database)
-        tasks = [
-            asyncio.create_task(self.lanes.run(stopping), name="lanes"),
-            asyncio.create_task(horizon.run(stopping), name="horizon"),
-        ] + [
-            asyncio.create_task(p.run(stopping), name=f"pipeline-{i}")
-            for i, p in enumerate(pipelines)
-        ]
-        if s.relay.cleanup_interval_seconds > 0:
-            tasks.append(
-                asyncio.create_task(run_maintenance(s, stopping, self.cursors), name="maintenance")
-            )
-        return tasks
-
     async def _shutdown(self, server: WSGIServer | None) -> None:
-        grace = self.settings.relay.shutdown_grace_seconds
+        grace = self._settings.relay.shutdown_grace_seconds
         _, late = await asyncio.wait(self._tasks, timeout=grace)
         for task in late:
             task.cancel()
@@ -211,7 +229,9 @@ class Relay:
         # outbox, or the slot reads them again): what its producers hold is not worth a flush.
         await self._publisher.stop(within=0.0 if late else 2.0)
         with contextlib.suppress(Exception):
-            await self.lanes.close()
+            await self.source.close()
+        with contextlib.suppress(Exception):
+            await self.registration.close()
         if server is not None:
             server.shutdown()
-        log.info("relay stopped", extra={"relay_id": self.lanes.relay_id})
+        log.info("relay stopped", extra={"relay_id": self.identity.relay_id})

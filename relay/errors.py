@@ -2,17 +2,7 @@
 
 from __future__ import annotations
 
-from outbox.errors import BrokerUnavailable, ConfigurationError, OutboxError
-
-
-class RecordRejected(OutboxError):
-    """Kafka refuses this record permanently (too large, invalid topic, not authorized).
-
-    Retrying cannot help by itself, so the row's attempts are counted and, after
-    ``relay.max_attempts``, the row is moved to the failed table.
-    """
-
-    retriable = False
+from outbox.errors import BrokerUnavailable, ConfigurationError, RecordRejected
 
 
 class RecordTooLarge(RecordRejected):
@@ -42,20 +32,23 @@ class PartitionUnavailable(BrokerUnavailable):
         self.leader = leader
 
 
-class ProducerBroken(OutboxError):
-    """The Kafka producer must be recreated (lost idempotence state, fenced, closed)."""
-
-    retriable = True
-
-
 class SlotMissing(ConfigurationError):
     """The WAL source's replication slot does not exist (at start: not set up yet)."""
 
-    def __init__(self, slot: str) -> None:
+    def __init__(self, slot: str, timeline: int | None = None) -> None:
+        # A server past timeline 1 was promoted (or restored) at some point: if that was
+        # after the slot was made, the slot was lost in a failover, not never set up.
+        promoted = (
+            f"; this server is on timeline {timeline}: if it was promoted since the slot was "
+            "made, the slot was lost in that failover and recreating it skips what came "
+            "since (docs/operations/postgresql-failover.md)"
+            if timeline is not None and timeline > 1
+            else ""
+        )
         super().__init__(
             f"replication slot {slot!r} does not exist in this database; create it and its "
             "publication with `outbox wal setup` (if it existed before, the events it had "
-            "not confirmed are gone: see docs/howto/wal-source.md)"
+            f"not confirmed are gone: see docs/howto/wal-source.md){promoted}"
         )
 
 
@@ -63,12 +56,14 @@ class SlotLost(ConfigurationError):
     """The slot was dropped or invalidated under the relay: the events it had not
     confirmed may be gone from the WAL. Never re-created silently."""
 
-    def __init__(self, slot: str, since: str | None, cause: str) -> None:
+    def __init__(self, slot: str, since: str | None, cause: str, advice: str | None = None) -> None:
         where = f"since LSN {since}" if since else "(its confirmed LSN is unknown)"
-        super().__init__(
-            f"replication slot {slot!r} lost ({cause}): events may be lost {where}; "
+        advice = advice or (
             "compare what producers committed after that point with the topics, then "
             "recreate the slot with `outbox wal setup` and restart the relay "
             "(docs/howto/wal-source.md)"
+        )
+        super().__init__(
+            f"replication slot {slot!r} lost ({cause}): events may be lost {where}; {advice}"
         )
         self.since = since

@@ -1,8 +1,8 @@
 """Operator functions over the failed table: list, retry (back into the outbox), purge.
 
-Retried rows get new ids, in the order of their old ones, so they join the head of their
-lane like new rows (the relays' claim cursors may be past their old ids: relay/cursor.py).
-Their order relative to later events of the same key was given up when Kafka rejected them.
+Retried rows get new ids, in the order of their old ones, so they join the head of their lane like
+new rows (the relays' claim cursors may be past their old ids: relay/sources/table/cursor.py). Their
+order relative to later events of the same key was given up when Kafka rejected them.
 """
 
 from __future__ import annotations
@@ -19,11 +19,13 @@ import psycopg
 from outbox import wal_codec
 from outbox.db import unavailable
 from outbox.envelope import Row
-from outbox.errors import SchemaMissing
 from outbox.settings import OutboxSettings
+from outbox.sources import source_of
+from relay.event import CE_ID, TOPIC, Event
 from relay.metrics import RelayMetrics
-from relay.store import CE_ID, TOPIC, ClaimedRow, RelayStore
-from relay.wal_store import WalStore
+from relay.outage import missing_table
+from relay.sources.wal.store import WalStore
+from relay.store import RelayStore
 
 log = logging.getLogger("relay")
 
@@ -40,7 +42,7 @@ class FailedRow:
     payload_bytes: int | None  # None: a tombstone
 
 
-def report_moved(dead: Sequence[tuple[ClaimedRow, int, str]], metrics: RelayMetrics) -> None:
+def report_moved(dead: Sequence[tuple[Event, int, str]], metrics: RelayMetrics) -> None:
     """Log and count events just moved to the failed table (by either source): one ERROR
     line each, with what Kafka said."""
     for row, attempts, err in dead:
@@ -62,14 +64,14 @@ def _connection(settings: OutboxSettings) -> Iterator[psycopg.Connection[tuple[o
         with conn, conn.transaction():
             yield conn
     except psycopg.errors.UndefinedTable as exc:
-        raise SchemaMissing(f"relay table missing ({exc.diag.message_primary})") from None
+        raise missing_table(exc) from None
 
 
 def list_failed(
     settings: OutboxSettings, *, topic: str | None = None, limit: int = 100
 ) -> tuple[list[FailedRow], int]:
     """Up to ``limit`` failed rows (oldest id first) and the total count."""
-    store = RelayStore(settings)
+    store = RelayStore.of(settings)
     with _connection(settings) as conn:
         rows = conn.execute(store.failed_list, {"topic": topic, "limit": limit}).fetchall()
         total = conn.execute(store.failed_count).fetchone()
@@ -77,20 +79,20 @@ def list_failed(
 
 
 def retry_failed(settings: OutboxSettings, ids: Sequence[int] | None) -> list[int]:
-    """Move failed rows (``None`` = all) back to the outbox with attempts reset; with
-    ``source = "wal"``, back into the WAL as messages (a WAL relay reads no outbox table,
-    and waits while it holds rows)."""
+    """Move failed rows (``None`` = all) back to the outbox with attempts reset; for a
+    source that reads a slot, back into the WAL as messages (a WAL relay reads no outbox
+    table, and waits while it holds rows)."""
     chosen = list(ids) if ids is not None else None
-    if settings.source == "wal":
+    if source_of(settings).reads_slot:
         return _retry_into_wal(settings, chosen)
-    store = RelayStore(settings)
+    store = RelayStore.of(settings)
     with _connection(settings) as conn:
         rows = conn.execute(store.failed_retry, {"ids": chosen})
         return sorted(int(r[0]) for r in rows.fetchall())  # type: ignore[call-overload]
 
 
 def _retry_into_wal(settings: OutboxSettings, ids: list[int] | None) -> list[int]:
-    store = WalStore(settings)
+    store = WalStore.of(settings)
     with _connection(settings) as conn:
         taken = conn.execute(store.failed_take, {"ids": ids}).fetchall()
         if not taken:
@@ -120,7 +122,7 @@ def purge_failed(
     settings: OutboxSettings, ids: Sequence[int] | None, older_than_hours: float | None = None
 ) -> list[int]:
     """Delete failed rows by id, or older than ``older_than_hours``, or all (both None)."""
-    store = RelayStore(settings)
+    store = RelayStore.of(settings)
     with _connection(settings) as conn:
         rows = conn.execute(
             store.failed_purge,

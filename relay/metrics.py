@@ -1,4 +1,4 @@
-"""Prometheus metrics of one relay (served by :func:`outbox.daemon.serve_http`).
+"""Prometheus metrics of one relay (served by :func:`outbox.lifecycle.serve_http`).
 
 Each relay has its own ``CollectorRegistry`` so that several relays in one process (tests,
 benchmarks) never collide on metric names. Every series exists from the start (counters at
@@ -11,6 +11,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from outbox.ops.wal_health import WalGauges
+from outbox.status_line import UNKNOWN
 
 # The classes a relay counts in outbox_relay_errors_total (lane connection failures).
 ERROR_CLASSES = ("OperationalError", "InterfaceError", "DatabaseUnavailable")
@@ -79,7 +80,9 @@ class RelayMetrics:
         )
         self.dead_rows = Gauge(
             "outbox_relay_outbox_dead_rows",
-            "Dead row versions in the outbox table (pg_stat_user_tables.n_dead_tup).",
+            "Dead row versions (tuples) in the outbox table that VACUUM has yet to remove "
+            "(pg_stat_user_tables.n_dead_tup): what published rows leave behind, not failed "
+            "events (outbox_relay_moved_to_failed_total).",
             registry=r,
         )
         self.oldest_snapshot_age = Gauge(
@@ -107,6 +110,12 @@ class RelayMetrics:
             "keep flowing.",
             registry=r,
         )
+        self.maintenance_leader = Gauge(
+            "outbox_relay_maintenance_leader",
+            "1 while this relay runs the maintenance services (retention, the dead-tuple and "
+            "snapshot watches): one relay of a deployment at a time.",
+            registry=r,
+        )
         self.cursor_resets = Counter(
             "outbox_relay_claim_cursor_resets",
             "Lane cursors forgotten because a pending row appeared below one (a writer "
@@ -118,31 +127,45 @@ class RelayMetrics:
         for name, gauge in self.wal.items():
             gauge.set(getattr(values, name))
 
-    def status(self, source: str = "table") -> dict[str, float]:
-        """The figures of the relay's periodic status line, read back from the metrics: the
-        outbox table's for the table source, the slot's for the WAL source."""
-        r = self.registry
+    def count(self, name: str) -> int:
+        """A counter's or gauge's value as an integer (0 when it has none yet)."""
+        return int(self.registry.get_sample_value(name) or 0)
 
-        def value(name: str) -> float:
-            return r.get_sample_value(name) or 0.0
+    def measured(
+        self, name: str, database_up: bool, digits: int | None = None
+    ) -> int | float | str:
+        """A figure the database gives: ``unknown`` while it is down (a stale gauge is not a
+        measurement), and when not read yet (-1)."""
+        value = self.registry.get_sample_value(name)
+        if value is None or value < 0 or not database_up:
+            return UNKNOWN
+        return int(value) if digits is None else round(value, digits)
 
-        shared = {
-            "published": value("outbox_relay_published_total"),
-            "moved_to_failed": value("outbox_relay_moved_to_failed_total"),
-            "kafka_up": value("outbox_relay_kafka_up"),
-            "partitions_unavailable": value("outbox_relay_partitions_unavailable"),
+    def status(self) -> dict[str, int | float | str]:
+        """The figures every relay's status line has (its source adds its own). Counts are
+        integers."""
+        return {
+            "published": self.count("outbox_relay_published_total"),
+            "moved_to_failed": self.count("outbox_relay_moved_to_failed_total"),
+            "kafka_up": self.count("outbox_relay_kafka_up"),
+            "partitions_unavailable": self.count("outbox_relay_partitions_unavailable"),
         }
-        if source == "wal":  # -1: not measured yet (or no slot)
-            return shared | {
-                "wal_unconfirmed_bytes": value("outbox_relay_wal_unconfirmed_bytes"),
-                "wal_lag_seconds": round(value("outbox_relay_wal_lag_seconds"), 3),
-                "wal_slot_status": value("outbox_relay_wal_slot_status"),
-                "wal_held_events": value("outbox_relay_wal_held_events"),
-            }
-        return shared | {
-            "pending": value("outbox_relay_pending_events"),
-            "oldest_age_seconds": round(value("outbox_relay_oldest_pending_age_seconds"), 3),
-            "owned_lanes": value("outbox_relay_owned_lanes"),
-            "outbox_dead_rows": value("outbox_relay_outbox_dead_rows"),
-            "oldest_snapshot_seconds": round(value("outbox_relay_oldest_snapshot_age_seconds")),
+
+    def vacuum_status(self, database_up: bool) -> dict[str, int | float | str]:
+        """The maintenance watches' figures (the relay running maintenance has them)."""
+        return {
+            # Row versions VACUUM has yet to remove, not failed events (moved_to_failed).
+            "outbox_dead_tuples": self.measured("outbox_relay_outbox_dead_rows", database_up),
+            "oldest_snapshot_seconds": self.measured(
+                "outbox_relay_oldest_snapshot_age_seconds", database_up
+            ),
         }
+
+
+# Status-line figures that move while nothing happens: shown, not compared (status_line.py).
+STATUS_DRIFTING = (
+    "oldest_age_seconds",
+    "oldest_snapshot_seconds",
+    "wal_lag_seconds",
+    "wal_unconfirmed_bytes",
+)

@@ -13,8 +13,8 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from outbox import tracing
-from relay.outcome import Outcome
-from relay.store import CE_ID, HEADERS, TOPIC, ClaimedRow
+from relay.event import CE_ID, HEADERS, TOPIC, Event
+from relay.kafka.outcome import Outcome
 
 if TYPE_CHECKING:
     from opentelemetry.trace import Span
@@ -26,7 +26,7 @@ MAX_LINKS = 128
 LINKS_DROPPED = "outbox.relay.links_dropped"
 
 
-def start_send(rows: Sequence[ClaimedRow]) -> Span | None:
+def start_send(rows: Sequence[Event]) -> Span | None:
     """Start the batch's send span (None when tracing is off)."""
     if not tracing.active():
         return None

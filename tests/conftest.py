@@ -10,6 +10,8 @@ from contextlib import ExitStack
 
 import psycopg
 import pytest
+from hypothesis import HealthCheck
+from hypothesis import settings as hypothesis_settings
 from sqlalchemy import Engine
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -22,6 +24,23 @@ from tests.support import kafka as kafka_support
 from tests.support.pgbouncer import PgBouncer, PgBouncerFailed, pgbouncer
 from tests.support.services import Endpoints, Secured, ServiceUnavailable, endpoints
 from tests.support.tables import own_tables
+
+# Property-based tests (tests/property): a fixed, reproducible sample in CI (derandomized,
+# no example database); new examples each run locally; HYPOTHESIS_PROFILE=thorough for a
+# long hunt. Fixtures shared by the examples (a connection, a slot, a running consumer) are
+# the point there, hence the health checks left out.
+_SHARED = [HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.data_too_large]
+for _name, _examples in (("ci", 300), ("dev", 200), ("thorough", 3000)):
+    hypothesis_settings.register_profile(
+        _name,
+        max_examples=_examples,
+        deadline=None,
+        suppress_health_check=_SHARED,
+        **({"derandomize": True, "database": None} if _name == "ci" else {}),
+    )
+hypothesis_settings.load_profile(
+    os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev")
+)
 
 
 @pytest.fixture(scope="session")

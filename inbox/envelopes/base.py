@@ -18,6 +18,7 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 from inbox import failures
 from inbox.errors import EnvelopeError, Unreadable
 from inbox.event import InboxEvent, KafkaRecord, header_text
+from outbox.text import storable, unstorable
 
 MAX_ID_CHARS = 255  # the inbox's event_id column
 # Set by `outbox dlq replay` on the record it produces, and on every dead letter sent to a
@@ -158,19 +159,22 @@ def position_id(record: KafkaRecord, headers: Headers) -> str:
 def unreadable(
     record: KafkaRecord, headers: Headers, reason: str, event_type: str | None = None
 ) -> InboxEvent:
-    """A record its envelope cannot read: malformed, with ``reason``, under its position."""
+    """A record its envelope cannot read: malformed, with ``reason``, under its position.
+
+    ``event_type`` and ``reason`` are kept as PostgreSQL text can hold them (a NUL or a
+    lone surrogate escaped); the record's bytes are kept as they came."""
     if len(reason) > MAX_REASON_CHARS:
         reason = reason[: MAX_REASON_CHARS - 1] + "…"
     return InboxEvent(
         event_id=position_id(record, headers),
-        event_type=event_type,
+        event_type=None if event_type is None else storable(event_type),
         topic=record.topic,
         partition=record.partition,
         offset=record.offset,
         key=record.key,
         value=record.value,
         headers=headers,
-        malformed=reason,
+        malformed=storable(reason),
         timestamp_ms=record.timestamp,
     )
 
@@ -183,7 +187,13 @@ def opened_event(
     payload: bytes | None,
     attributes: tuple[tuple[str, str], ...],
 ) -> InboxEvent:
-    """The event an envelope read (``payload`` may be the record's value or a part of it)."""
+    """The event an envelope read (``payload`` may be the record's value or a part of it);
+    malformed when its id or type cannot be stored (the inbox keeps both as text)."""
+    problem = unstorable(event_id, "the event id")
+    if problem is None and event_type is not None:
+        problem = unstorable(event_type, "the event type")
+    if problem is not None:
+        return unreadable(record, headers, problem, event_type)
     received = None if payload is record.value or payload == record.value else record.value
     return InboxEvent(
         event_id=event_id,

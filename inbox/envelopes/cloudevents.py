@@ -85,6 +85,12 @@ def decode(record: KafkaRecord) -> InboxEvent:
         return unreadable(record, headers, "ce_id header longer than 255 characters", event_type)
     if event_type is None:
         return unreadable(record, headers, "missing or invalid ce_type header")
+    # Strict UTF-8 decoding let no lone surrogate through; a NUL is valid UTF-8, and no
+    # text column takes it.
+    if "\x00" in event_id:
+        return unreadable(record, headers, "ce_id header holds a NUL byte", event_type)
+    if "\x00" in event_type:
+        return unreadable(record, headers, "ce_type header holds a NUL byte", event_type)
     # Every field set at once: a frozen dataclass's __init__ sets them one by one through
     # object.__setattr__, half of this function's cost (a unit test checks every field).
     event = object.__new__(InboxEvent)

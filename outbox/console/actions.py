@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 from urllib.parse import urlencode
 
@@ -42,6 +43,7 @@ def _confirm(
     items: Sequence[str],
     cancel: str,
     button: str,
+    note: str = "",
 ) -> Response:
     return console.render(
         request,
@@ -53,6 +55,7 @@ def _confirm(
         post_to=request.url.path,
         cancel=cancel,
         button=button,
+        note=note,
     )
 
 
@@ -84,9 +87,14 @@ async def dead_letters(console: Console, request: Request, form: Form) -> Respon
     scope, where, query = _dead_letter_target(form)
     store = console.backends.dead_letters
     back = query.values if scope != "selected" else {}
+    if verb == "replay":
+        # Only what a replay can act on: one processed since would be refused anyway.
+        where = replace(where, replayable=True)
     if first(form, "confirmed") != "yes":
         count = await store.count(where)
         shown = await store.list(where, CONFIRM_SHOWN)
+        left_out = await store.count(replace(where, replayable=False)) - count
+        note = f" ({left_out} processed since: not replayed)" if left_out else ""
         return _confirm(
             console,
             request,
@@ -96,6 +104,7 @@ async def dead_letters(console: Console, request: Request, form: Form) -> Respon
             items=[f"{x.consumer} {x.event_id} ({x.error_class})" for x in shown],
             cancel=f"/dead-letters?{urlencode(back)}",
             button=f"Yes, {verb} {count}",
+            note=note,
         )
     if verb == "replay":
         report = await store.replay(where)

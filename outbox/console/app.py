@@ -20,11 +20,12 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from outbox.console import actions, pages
-from outbox.console.filters import BadFilter
+from outbox.console.filters import BadFilter, check_params
 from outbox.console.ports import Backends
 from outbox.console.security import LOOPBACK_HOSTS, SESSION_COOKIE, SecurityHeaders
 from outbox.console.state import Console, Form, console_of, first, read_form
 from outbox.errors import NotFound, OutboxError
+from outbox.scrub import scrub
 from outbox.settings import OutboxSettings
 
 log = logging.getLogger(__name__)
@@ -43,23 +44,46 @@ def _failure(console: Console, request: Request, exc: Exception) -> Response:
     return console.error(request, 503 if retriable else 409, str(exc))
 
 
+def _set_session_cookie(request: Request, response: Response, session_id: str) -> None:
+    console = console_of(request)
+    response.set_cookie(
+        SESSION_COOKIE,
+        session_id,
+        max_age=int(console.guard.sessions.ttl_seconds),
+        httponly=True,
+        samesite="strict",
+        secure=request.url.scheme == "https",
+    )
+
+
 def page(fn: Handler) -> Callable[[Request], Awaitable[Response]]:
-    """A GET page: authenticated (or sent to the login form), errors as pages."""
+    """A GET page: authenticated (or sent to the login form), errors as pages. Without a
+    token, a browser's first page opens its session (for the CSRF token of its forms)."""
 
     async def handler(request: Request) -> Response:
         console = console_of(request)
-        if not console.guard.allows(request):
+        guard = console.guard
+        if not guard.allows(request):
             return RedirectResponse("/login", status_code=303)
+        request.state.session = session = guard.session(request)
+        opened = None
+        if session is None and not guard.required:
+            opened, request.state.session = guard.sessions.open(guard.who)
         try:
-            return await fn(console, request)
+            check_params(request.query_params.multi_items())
+            response = await fn(console, request)
         except (BadFilter, OutboxError) as exc:
-            return _failure(console, request, exc)
+            response = _failure(console, request, exc)
+        if opened is not None:
+            _set_session_cookie(request, response, opened)
+        return response
 
     return handler
 
 
 def action(fn: ActionHandler) -> Callable[[Request], Awaitable[Response]]:
-    """A POST: authenticated, refused in read-only mode, refused without the CSRF token."""
+    """A POST: authenticated, refused in read-only mode, refused without the session's
+    CSRF token."""
 
     async def handler(request: Request) -> Response:
         console = console_of(request)
@@ -67,9 +91,10 @@ def action(fn: ActionHandler) -> Callable[[Request], Awaitable[Response]]:
             return console.error(request, 401, "log in first")
         if not console.allow_actions:
             return console.error(request, 403, "read-only console: start it with --allow-actions")
+        request.state.session = session = console.guard.session(request)
         try:
             form = await read_form(request)
-            if not console.guard.csrf_ok(first(form, "csrf")):
+            if not console.guard.csrf_ok(session, first(form, "csrf")):
                 return console.error(request, 403, "missing or wrong CSRF token: reload the page")
             return await fn(console, request, form)
         except (BadFilter, OutboxError) as exc:
@@ -79,6 +104,10 @@ def action(fn: ActionHandler) -> Callable[[Request], Awaitable[Response]]:
 
 
 async def healthz(request: Request) -> Response:
+    """200 while the database answers a query; 503 (with the reason) when it does not."""
+    problem = await console_of(request).database_problem()
+    if problem is not None:
+        return PlainTextResponse(f"unhealthy: {scrub(problem)}", status_code=503)
     return PlainTextResponse("ok")
 
 
@@ -91,17 +120,32 @@ async def login(request: Request) -> Response:
     console = console_of(request)
     if request.method == "GET":
         return console.render(request, "login.html")
-    token = first(await read_form(request), "token") or ""
+    try:
+        token = first(await read_form(request), "token") or ""
+    except BadFilter as exc:
+        return console.error(request, 400, str(exc))
     if not console.guard.token_matches(token):
         return console.render(request, "login.html", 401, failed=True)
+    console.guard.sessions.close(request.cookies.get(SESSION_COOKIE))
+    session_id, _ = console.guard.sessions.open(console.guard.who)
     response = RedirectResponse("/", status_code=303)
-    response.set_cookie(
-        SESSION_COOKIE,
-        console.guard.session_value(),
-        httponly=True,
-        samesite="strict",
-        secure=request.url.scheme == "https",
-    )
+    _set_session_cookie(request, response, session_id)
+    return response
+
+
+async def logout(request: Request) -> Response:
+    """End the session (a POST with its CSRF token: a link elsewhere cannot log you out)."""
+    console = console_of(request)
+    session = console.guard.session(request)
+    try:
+        form = await read_form(request)
+    except BadFilter as exc:
+        return console.error(request, 400, str(exc))
+    if not console.guard.csrf_ok(session, first(form, "csrf")):
+        return console.error(request, 403, "missing or wrong CSRF token: reload the page")
+    console.guard.sessions.close(request.cookies.get(SESSION_COOKIE))
+    response = RedirectResponse("/login" if console.guard.required else "/", status_code=303)
+    response.delete_cookie(SESSION_COOKIE, httponly=True, samesite="strict")
     return response
 
 
@@ -126,7 +170,9 @@ def create_app(settings: OutboxSettings, backends: Backends, *, allow_actions: b
         Route("/healthz", healthz),
         Route("/metrics", metrics),
         Route("/login", login, methods=["GET", "POST"]),
+        Route("/logout", logout, methods=["POST"]),
         Route("/", page(pages.overview)),
+        Route("/consumers", page(pages.consumers_page)),
         Route("/dead-letters", page(pages.dead_letters)),
         Route("/dead-letters/show", page(pages.dead_letter)),
         Route("/dead-letters/action", action(actions.dead_letters), methods=["POST"]),

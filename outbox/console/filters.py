@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from outbox.ops.deadletters import DeadLetterFilter
+from outbox.ops.deadletters import STATES, DeadLetterFilter
 
 # Query parameter -> DeadLetterFilter field. Times are ISO 8601 (a browser's
 # datetime-local value has no zone: read as UTC, like every time the console shows).
@@ -21,6 +21,7 @@ DEAD_LETTER_FIELDS = {
     "after": "after",
     "before": "before",
     "group": "group",
+    "state": "state",
 }
 
 
@@ -52,6 +53,8 @@ class DeadLetterQuery:
         args: dict[str, object] = {}
         for param, value in self.values.items():
             field = DEAD_LETTER_FIELDS[param]
+            if field == "state" and value not in STATES:
+                raise BadFilter(f"state: one of {', '.join(STATES)}")
             args[field] = _time(param, value) if field in ("after", "before") else value
         return DeadLetterFilter(keys=keys, **args)  # type: ignore[arg-type]
 
@@ -75,3 +78,29 @@ def read_keys(values: list[str]) -> tuple[tuple[str, str], ...]:
             raise BadFilter("a selected dead letter could not be read")
         keys.append((consumer, event_id))
     return tuple(keys)
+
+
+# Page numbers past this are refused: an offset computed from them must fit a bigint.
+MAX_PAGE = 1_000_000
+
+
+def check_params(items: Iterable[tuple[str, str]]) -> None:
+    """Refuse what no filter can hold: a NUL character (PostgreSQL text cannot store one,
+    so no stored value matches it) in any name or value."""
+    for name, value in items:
+        if "\x00" in name or "\x00" in value:
+            shown = name.replace("\x00", "\\x00")[:40]
+            raise BadFilter(f"{shown}: NUL characters are not allowed")
+
+
+def page_number(raw: str | None) -> int:
+    """A ``page`` parameter: a whole number from 1 to :data:`MAX_PAGE` (1 when absent)."""
+    if raw is None or raw == "":
+        return 1
+    if (
+        not (raw.isascii() and raw.isdigit())
+        or len(raw) > len(str(MAX_PAGE))
+        or not 1 <= int(raw) <= MAX_PAGE
+    ):
+        raise BadFilter(f"page: a whole number from 1 to {MAX_PAGE:,}")
+    return int(raw)

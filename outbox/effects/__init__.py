@@ -20,7 +20,8 @@ from outbox.effects.errors import (
     EffectOutcomeUnknown,
     EffectResultInvalid,
 )
-from outbox.effects.ledger import NOT_APPLIED, EffectRecord, Effects, effect_key, key_for
+from outbox.effects.ledger import NOT_APPLIED, Effects, effect_key, key_for
+from outbox.effects.records import EffectRecord
 
 __all__ = [
     "NOT_APPLIED",

@@ -50,19 +50,17 @@ and never retried here.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Generator
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import timedelta
 from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry
 from sqlalchemy import Engine
 from sqlalchemy.ext.asyncio import AsyncEngine
-from sqlalchemy.sql import Executable
 
 from outbox import tracing
 from outbox.canonical import idempotency_key, sha256_hex
@@ -74,13 +72,24 @@ from outbox.effects.errors import (
     EffectFailed,
     EffectInProgress,
     EffectLeaseLost,
-    EffectNotFound,
-    EffectNotResolvable,
     EffectOutcomeUnknown,
-    EffectResultInvalid,
 )
 from outbox.effects.metrics import effect_metrics
-from outbox.effects.store import DONE, FAILED, PENDING, UNKNOWN, EffectStore
+from outbox.effects.records import MESSAGE_LIMIT, EffectOperations, jsonable
+from outbox.effects.steps import (
+    CALL,
+    COMMIT,
+    RECONCILE,
+    Call,
+    Commit,
+    Feeder,
+    Finished,
+    Reconcile,
+    Sleep,
+    Sql,
+    Steps,
+)
+from outbox.effects.store import DONE, FAILED, PENDING, EffectStore
 from outbox.resilience.breaker import CircuitBreaker, CircuitBreakers, CircuitOpen
 from outbox.resilience.budget import RetryBudget, RetryBudgetExhausted
 from outbox.resilience.classify import status_of
@@ -94,7 +103,6 @@ MAX_KEY_LENGTH = 255
 # A claim that keeps vanishing under us (released or purged between two statements) is
 # retried a few times, then reported as in progress.
 _CLAIM_ROUNDS = 3
-_MESSAGE_LIMIT = 500
 # The ledger's own connection runs in transactions whatever the engine's default: under
 # AUTOCOMMIT the row lock that keeps a second caller off the key during the call would end
 # with its statement.
@@ -137,75 +145,13 @@ def _first_line(exc: BaseException) -> str:
 def describe(exc: BaseException) -> str:
     """``Type: first line`` of an exception, bounded (stored as ``last_error``)."""
     text = _first_line(exc)
-    return f"{type(exc).__name__}: {text}"[:_MESSAGE_LIMIT] if text else type(exc).__name__
+    return f"{type(exc).__name__}: {text}"[:MESSAGE_LIMIT] if text else type(exc).__name__
 
 
 def error_record(exc: BaseException) -> dict[str, Any]:
     """What a permanent failure stores and replays: type, first message line, HTTP status."""
     text = _first_line(exc)
-    return {"type": type(exc).__name__, "message": text[:_MESSAGE_LIMIT], "status": status_of(exc)}
-
-
-# ----------------------------------------------------------------- the protocol's steps
-
-
-@dataclass(frozen=True)
-class _Sql:
-    statement: Executable
-    params: dict[str, Any]
-
-
-@dataclass(frozen=True)
-class _Sleep:
-    seconds: float
-
-
-class _Commit:
-    pass
-
-
-class _Call:
-    pass
-
-
-class _Reconcile:
-    pass
-
-
-_COMMIT, _CALL, _RECONCILE = _Commit(), _Call(), _Reconcile()
-_Step = _Sql | _Sleep | _Commit | _Call | _Reconcile
-_Steps = Generator[_Step, Any, Any]
-
-
-@dataclass(frozen=True)
-class _Finished:
-    value: Any
-
-
-class _Feeder:
-    """Feeds the protocol generator what its last step produced (a value, or the exception
-    it raised) and hands out the next step; the drivers only perform steps."""
-
-    def __init__(self, steps: _Steps) -> None:
-        self._steps = steps
-        self.reply: Any = None
-        self.error: Exception | None = None
-
-    def next(self) -> _Step | _Finished:
-        reply, error = self.reply, self.error
-        self.reply, self.error = None, None
-        try:
-            return self._steps.throw(error) if error is not None else self._steps.send(reply)
-        except StopIteration as stop:
-            return _Finished(stop.value)
-
-    def __enter__(self) -> _Feeder:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        # A BaseException (cancellation) left the driver: unwind the protocol (the breaker
-        # permit goes back); the claim stays to its lease, like a crash.
-        self._steps.close()
+    return {"type": type(exc).__name__, "message": text[:MESSAGE_LIMIT], "status": status_of(exc)}
 
 
 @dataclass(frozen=True)
@@ -219,49 +165,7 @@ class _Effect:
     reconcilable: bool
 
 
-@dataclass(frozen=True)
-class EffectRecord:
-    """One ledger record, as operators see it."""
-
-    key: str
-    state: str
-    dependency: str
-    payload_hash: str
-    result: Any
-    error: dict[str, Any] | None
-    attempts: int
-    last_error: str | None
-    dedupe_window: timedelta
-    created_at: datetime
-    updated_at: datetime
-    completed_at: datetime | None
-    expires_at: datetime | None
-    lease_until: datetime | None
-    lease_live: bool
-
-    @classmethod
-    def from_row(cls, row: Any) -> EffectRecord:
-        return cls(**{f: getattr(row, f) for f in cls.__dataclass_fields__})
-
-    def to_dict(self) -> dict[str, Any]:
-        data = {f: getattr(self, f) for f in self.__dataclass_fields__}
-        for name, value in data.items():
-            if isinstance(value, datetime):
-                data[name] = value.isoformat()
-        data["dedupe_window"] = self.dedupe_window.total_seconds()
-        return data
-
-
-def _jsonable(key: str, value: Any) -> tuple[Any, EffectResultInvalid | None]:
-    """``value`` as it will read back from JSONB (tuples become lists...), so the first
-    caller and every replay see equal results."""
-    try:
-        return json.loads(json.dumps(value, allow_nan=False)), None
-    except (TypeError, ValueError):
-        return None, EffectResultInvalid(key, type(value).__name__)
-
-
-class Effects:
+class Effects(EffectOperations):
     """Runs external effects at most once per key; sync (:meth:`run`), async (:meth:`run_async`).
 
     ``policy`` defaults to the retry settings, ``budget`` to a default ``RetryBudget``;
@@ -330,7 +234,7 @@ class Effects:
         )
 
     # -- the protocol ----------------------------------------------------------------------
-    def _steps(self, e: _Effect) -> _Steps:
+    def _steps(self, e: _Effect) -> Steps:
         """Claim (or replay, or refuse), then call under the row lock. Returns the result."""
         store, key = self._store, e.key
         token = uuid.uuid4()
@@ -341,18 +245,18 @@ class Effects:
             {tracing.EFFECT_KEY: key, tracing.EFFECT_DEPENDENCY: e.dependency}
         )
         for _ in range(_CLAIM_ROUNDS):
-            if (yield _Sql(store.insert_claim, claim)).first() is not None:
+            if (yield Sql(store.insert_claim, claim)).first() is not None:
                 break
-            row = (yield _Sql(store.read_unlocked_only, where)).first()
+            row = (yield Sql(store.read_unlocked_only, where)).first()
             if row is None:
-                if (yield _Sql(store.exists, where)).first() is not None:
+                if (yield Sql(store.exists, where)).first() is not None:
                     # Locked: its owner is calling right now (or another caller is deciding).
                     self.metrics.in_progress.inc()
                     raise EffectInProgress(key)
                 continue  # released or purged since our insert: claim again
             if row.state in (DONE, FAILED) and row.expired:
                 # Past its dedupe window the record is forgotten: the key runs afresh.
-                yield _Sql(store.takeover, claim)
+                yield Sql(store.takeover, claim)
                 break
             if row.payload_hash != e.payload_hash:
                 self.metrics.conflicts.inc()
@@ -373,25 +277,25 @@ class Effects:
             if not e.reconcilable:
                 if row.state == PENDING:
                     detail = "its caller died during the call and no reconcile was given"
-                    yield _Sql(store.mark_unknown, store.error_params(key, detail))
-                    yield _COMMIT
+                    yield Sql(store.mark_unknown, store.error_params(key, detail))
+                    yield COMMIT
                     self.metrics.unknown.inc()
                 else:
                     detail = "an earlier attempt was ambiguous and no reconcile was given"
                 raise EffectOutcomeUnknown(key, detail)
-            yield _Sql(store.takeover, claim)
+            yield Sql(store.takeover, claim)
             reconcile_first = True
             break
         else:
             self.metrics.in_progress.inc()
             raise EffectInProgress(key)
-        yield _COMMIT
+        yield COMMIT
         return (yield from self._owned(e, token, reconcile_first))
 
-    def _owned(self, e: _Effect, token: uuid.UUID, reconcile_first: bool) -> _Steps:
+    def _owned(self, e: _Effect, token: uuid.UUID, reconcile_first: bool) -> Steps:
         store, key = self._store, e.key
         owner = store.owner_params(key, token)
-        if (yield _Sql(store.lock_owned, owner)).first() is None:
+        if (yield Sql(store.lock_owned, owner)).first() is None:
             raise EffectLeaseLost(key)  # taken over between claim and lock: nothing called
         # From here until the last commit this connection holds the row lock.
         if reconcile_first:
@@ -404,7 +308,7 @@ class Effects:
         attempts = 0
         while True:
             attempts += 1
-            if attempts > 1 and (yield _Sql(store.lock_owned, owner)).first() is None:
+            if attempts > 1 and (yield Sql(store.lock_owned, owner)).first() is None:
                 # Still ours? While this transaction lives, its lock keeps the row; if the
                 # connection died during the wait (idle-in-transaction timeout, network,
                 # failover), the statement fails and nothing is called: a later caller
@@ -414,7 +318,7 @@ class Effects:
             try:
                 try:
                     with breaker.guard():
-                        value = yield _CALL
+                        value = yield CALL
                 finally:
                     self.metrics.breaker_is(e.dependency, breaker.state)
             except CircuitOpen:
@@ -427,22 +331,22 @@ class Effects:
                 log.info("effect %s attempt %d: %s (%s)", key, attempts, detail, kind)
                 if kind is EffectClass.PERMANENT:
                     error = error_record(exc)
-                    yield _Sql(store.finish_failed, store.outcome_params(key, error, True))
-                    yield _COMMIT
+                    yield Sql(store.finish_failed, store.outcome_params(key, error, True))
+                    yield COMMIT
                     raise EffectFailed(key, error, replayed=False) from exc
                 if kind is EffectClass.AMBIGUOUS and not e.reconcilable:
-                    yield _Sql(store.mark_unknown, store.error_params(key, detail))
-                    yield _COMMIT
+                    yield Sql(store.mark_unknown, store.error_params(key, detail))
+                    yield COMMIT
                     self.metrics.unknown.inc()
                     raise EffectOutcomeUnknown(key, detail) from exc
-                yield _Sql(store.attempt_failed, store.error_params(key, detail))
+                yield Sql(store.attempt_failed, store.error_params(key, detail))
                 # The wait holds the row lock and an idle transaction: never past the lease.
                 delay = self.policy.delay_for(
                     attempts, exc, time.monotonic() - started, limit=e.lease.total_seconds()
                 )
                 if kind is EffectClass.AMBIGUOUS:
                     # Give an in-flight request time to land, then ask before calling again.
-                    yield _Sleep(delay if delay is not None else self.policy.base_seconds)
+                    yield Sleep(delay if delay is not None else self.policy.base_seconds)
                     answer = yield from self._reconciled(e)
                     if answer is not NOT_APPLIED:  # the attempt is counted already
                         return (yield from self._done(e, answer, called=False))
@@ -453,16 +357,16 @@ class Effects:
                     yield from self._release(e)
                     raise RetryBudgetExhausted(attempts) from exc
                 if kind is EffectClass.RETRYABLE:
-                    yield _Sleep(delay)
+                    yield Sleep(delay)
                 continue
             self.metrics.calls.labels(e.dependency, "ok").inc()
             return (yield from self._done(e, value, called=True))
 
-    def _reconciled(self, e: _Effect) -> _Steps:
+    def _reconciled(self, e: _Effect) -> Steps:
         """``reconcile(key)``: its answer; a failing reconcile parks the key as unknown."""
         store = self._store
         try:
-            answer = yield _RECONCILE
+            answer = yield RECONCILE
         except Exception as exc:
             self.metrics.reconciliations.labels("error").inc()
             if is_outage(exc):
@@ -471,8 +375,8 @@ class Effects:
                 # of this transaction commits); the next caller reconciles again.
                 raise
             detail = f"reconcile failed: {describe(exc)}"
-            yield _Sql(store.mark_unknown, store.error_params(e.key, detail))
-            yield _COMMIT
+            yield Sql(store.mark_unknown, store.error_params(e.key, detail))
+            yield COMMIT
             self.metrics.unknown.inc()
             raise EffectOutcomeUnknown(e.key, detail) from exc
         applied = answer is not NOT_APPLIED
@@ -483,73 +387,17 @@ class Effects:
         log.info("effect %s reconciled: %s", e.key, "applied" if applied else "not applied")
         return answer
 
-    def _done(self, e: _Effect, value: Any, called: bool) -> _Steps:
-        stored, invalid = _jsonable(e.key, value)
-        yield _Sql(self._store.finish_done, self._store.outcome_params(e.key, stored, called))
-        yield _COMMIT
+    def _done(self, e: _Effect, value: Any, called: bool) -> Steps:
+        stored, invalid = jsonable(e.key, value)
+        yield Sql(self._store.finish_done, self._store.outcome_params(e.key, stored, called))
+        yield COMMIT
         if invalid is not None:
             raise invalid
         return stored
 
-    def _release(self, e: _Effect) -> _Steps:
-        yield _Sql(self._store.release, self._store.key_params(e.key))
-        yield _COMMIT
-
-    # -- operators -------------------------------------------------------------------------
-    def records(
-        self, engine: Engine, state: str | None = None, limit: int = 100
-    ) -> list[EffectRecord]:
-        """Records, most recently changed first; ``state`` filters (pending, done, ...)."""
-        with translated_errors(), engine.connect() as conn:
-            rows = conn.execute(self._store.list, self._store.list_params(state, limit))
-            return [EffectRecord.from_row(r) for r in rows]
-
-    def get(self, engine: Engine, key: str) -> EffectRecord:
-        with translated_errors(), engine.connect() as conn:
-            row = conn.execute(self._store.get, self._store.key_params(key)).first()
-        if row is None:
-            raise EffectNotFound(key)
-        return EffectRecord.from_row(row)
-
-    def resolve(self, engine: Engine, key: str, *, applied: bool, result: Any = None) -> None:
-        """An operator's verdict on an ``unknown`` effect (or a ``pending`` one whose caller
-        died): ``applied=True`` stores ``result`` as done (replayed from now on);
-        ``applied=False`` forgets the claim, so the next caller with the key calls again."""
-        store = self._store
-        stored, invalid = _jsonable(key, result)
-        if invalid is not None:
-            raise invalid
-        with translated_errors(), engine.begin() as conn:
-            self._resolvable(conn, key)
-            if applied:
-                conn.execute(store.finish_done, store.outcome_params(key, stored, False))
-            else:
-                conn.execute(store.release, store.key_params(key))
-        log.warning(
-            "effect %s resolved by an operator as %s", key, "applied" if applied else "not applied"
-        )
-
-    def give_up(self, engine: Engine, key: str, reason: str = "given up by an operator") -> None:
-        """Settle an ``unknown`` effect (or a ``pending`` one whose caller died) as failed
-        for good: callers with this key get the stored failure replayed and never call the
-        dependency again (until the record expires)."""
-        store = self._store
-        error = {"type": "GivenUp", "message": reason[:_MESSAGE_LIMIT], "status": None}
-        with translated_errors(), engine.begin() as conn:
-            self._resolvable(conn, key)
-            conn.execute(store.finish_failed, store.outcome_params(key, error, False))
-        log.warning("effect %s given up by an operator", key)
-
-    def _resolvable(self, conn: Any, key: str) -> None:
-        """Lock ``key``'s record for an operator's verdict, or raise why it cannot have one."""
-        store = self._store
-        row = conn.execute(store.read_unlocked_only, store.key_params(key)).first()
-        if row is None:
-            if conn.execute(store.exists, store.key_params(key)).first() is None:
-                raise EffectNotFound(key)
-            raise EffectInProgress(key)  # its caller holds it right now
-        if not (row.state == UNKNOWN or (row.state == PENDING and not row.lease_live)):
-            raise EffectNotResolvable(key, row.state)
+    def _release(self, e: _Effect) -> Steps:
+        yield Sql(self._store.release, self._store.key_params(e.key))
+        yield COMMIT
 
     # -- sync ------------------------------------------------------------------------------
     def run(
@@ -579,19 +427,19 @@ class Effects:
         effect = self._effect(
             key, payload, dependency, window, lease, classify, reconcile is not None
         )
-        with engine.connect() as conn, _Feeder(self._steps(effect)) as feed:
+        with engine.connect() as conn, Feeder(self._steps(effect)) as feed:
             conn.execution_options(isolation_level=_ISOLATION)
-            while not isinstance(step := feed.next(), _Finished):
+            while not isinstance(step := feed.next(), Finished):
                 try:
-                    if isinstance(step, _Sql):
+                    if isinstance(step, Sql):
                         with translated_errors():
                             feed.reply = conn.execute(step.statement, step.params)
-                    elif isinstance(step, _Commit):
+                    elif isinstance(step, Commit):
                         with translated_errors():
                             conn.commit()
-                    elif isinstance(step, _Call):
+                    elif isinstance(step, Call):
                         feed.reply = call(effect.key)
-                    elif isinstance(step, _Reconcile):
+                    elif isinstance(step, Reconcile):
                         assert reconcile is not None
                         feed.reply = reconcile(effect.key)
                     else:
@@ -621,18 +469,18 @@ class Effects:
         )
         async with engine.connect() as conn:
             await conn.execution_options(isolation_level=_ISOLATION)
-            with _Feeder(self._steps(effect)) as feed:
-                while not isinstance(step := feed.next(), _Finished):
+            with Feeder(self._steps(effect)) as feed:
+                while not isinstance(step := feed.next(), Finished):
                     try:
-                        if isinstance(step, _Sql):
+                        if isinstance(step, Sql):
                             with translated_errors():
                                 feed.reply = await conn.execute(step.statement, step.params)
-                        elif isinstance(step, _Commit):
+                        elif isinstance(step, Commit):
                             with translated_errors():
                                 await conn.commit()
-                        elif isinstance(step, _Call):
+                        elif isinstance(step, Call):
                             feed.reply = await call(effect.key)
-                        elif isinstance(step, _Reconcile):
+                        elif isinstance(step, Reconcile):
                             assert reconcile is not None
                             feed.reply = await reconcile(effect.key)
                         else:

@@ -36,7 +36,7 @@ from outbox.db import translated_errors
 from outbox.idempotency.keys import IdempotencyKeys
 from outbox.ops.store import OpsStore
 from outbox.settings import OutboxSettings
-from outbox.tables import build_tables
+from outbox.tables import Tables, build_tables
 
 Target = Literal["events", "inbox", "idempotency", "effects", "failed"]
 # ids are bigint identity values; start the key walk below any id a user could insert.
@@ -95,20 +95,24 @@ class CleanupReport:
 Progress = Callable[[TargetResult], None]
 
 
-class _Cleaner:
+class Cleaner:
+    """The deletes of each target, in bounded batches (what :func:`run_cleanup` runs, and
+    what the relay's retention services run a few batches of at a time)."""
+
     def __init__(
         self,
         engine: AsyncEngine,
-        settings: OutboxSettings,
+        tables: Tables,
+        idempotency: IdempotencyKeys,
         *,
-        batch_size: int,
-        pause_seconds: float,
-        max_batches: int | None,
-        progress: Progress | None,
+        batch_size: int = 1000,
+        pause_seconds: float = 0.0,
+        max_batches: int | None = None,
+        progress: Progress | None = None,
     ) -> None:
         self.engine = engine
-        self.store = OpsStore(build_tables(settings))
-        self.idempotency = IdempotencyKeys(settings)
+        self.store = OpsStore(tables)
+        self.idempotency = idempotency
         self.batch_size = batch_size
         self.pause = pause_seconds
         self.max_batches = max_batches
@@ -176,7 +180,7 @@ class _Cleaner:
         if horizon is None:
             return result, None
         # Everything at or below the horizon was committed or rolled back before the
-        # windows were read (relay/cursor.py): nothing there can appear later.
+        # windows were read (relay/sources/table/cursor.py): nothing there can appear later.
         kept = after if resume is None else resume
         return result, max(start, min(after, kept, horizon))
 
@@ -251,9 +255,10 @@ async def run_cleanup(
     from the start of the table while a snapshot is held.
     """
     retention = retention or Retention.from_settings(settings)
-    cleaner = _Cleaner(
+    cleaner = Cleaner(
         engine,
-        settings,
+        build_tables(settings),
+        IdempotencyKeys(settings),
         batch_size=batch_size,
         pause_seconds=pause_seconds,
         max_batches=max_batches,

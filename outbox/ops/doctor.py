@@ -8,25 +8,29 @@ oldest snapshot holding back VACUUM on the outbox (any state: ``pg_dump`` is "ac
 the outbox's dead rows; transactions that wrote the outbox and stay open (the relays' claim
 horizon waits for them); dead tuple ratio of the framework's tables; Kafka reachable and
 every topic with pending rows (or named by the caller) present with the expected partition
-count; dead-letter topics that take smaller records than their source topics; relay
+count; consumer groups of more than one member whose members are dynamic (no group
+instance id); dead-letter topics that take smaller records than their source topics; relay
 heartbeats and lane coverage; clock skew between this host and the database; what each
 database URL goes through (PostgreSQL itself, or a pooler in session or transaction mode)
 and which components may use it; in WAL mode (or when its slot exists) the WAL source:
 ``wal_level``, the slot and its ``wal_status``, how much more WAL it may hold back, the
 publication, whether a relay reads it (outbox/ops/wal_health.py), and whether the relay's
-URL admits the replication connection it streams the slot over.
+URL admits the replication connection it streams the slot over, and whether the slot would
+survive a failover — a failover slot, ``synchronized_standby_slots``, a standby streaming and
+each standby of ``wal.standby_urls`` ready to keep it (outbox/ops/wal_failover.py).
+
+The checks of how relays run (URLs, the source's own checks, heartbeats and lanes) are in
+outbox/ops/doctor_relays.py, those of Kafka in outbox/ops/doctor_kafka.py.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from datetime import datetime
 from typing import Any
 
-import psycopg
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from sqlalchemy import Connection, Index
@@ -35,19 +39,17 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from sqlalchemy.schema import CreateIndex
 
 from outbox import migrate
-from outbox.db import describe, replication_connection, translated_errors
-from outbox.errors import OutboxError, ReplicationRefused
+from outbox.db import translated_errors
+from outbox.errors import OutboxError
+from outbox.ops.doctor_base import DoctorOptions
+from outbox.ops.doctor_kafka import KafkaChecks
+from outbox.ops.doctor_relays import RelayChecks
 from outbox.ops.findings import Finding, Level
-from outbox.ops.kafka_probe import KafkaProbe
-from outbox.ops.lag import default_stale_after
-from outbox.ops.record_limits import header_room
-from outbox.ops.store import OpsStore
 from outbox.ops.vacuum import Holder, redact, vacuum_state
-from outbox.ops.wal_health import findings as wal_findings
-from outbox.ops.wal_slot import read_state
-from outbox.poolers import SessionProbe, probe_session
 from outbox.settings import OutboxSettings
-from outbox.tables import Tables, build_tables, hot_tables, set_storage_sql, storage_differences
+from outbox.tables import Tables, hot_tables, set_storage_sql, storage_differences
+
+__all__ = ["DoctorOptions", "diagnose", "exit_code", "to_dicts"]
 
 _DIALECT = postgresql.dialect()  # type: ignore[no-untyped-call]
 # A claim-index entry (lane smallint + id bigint + tuple header) is ~24 bytes; allow a
@@ -55,18 +57,6 @@ _DIALECT = postgresql.dialect()  # type: ignore[no-untyped-call]
 _CLAIM_ENTRY_BYTES = 24
 _CLAIM_BLOAT_FACTOR = 20
 _CLAIM_BLOAT_MIN_BYTES = 64 * 1024 * 1024
-
-
-@dataclass(frozen=True)
-class DoctorOptions:
-    topics: Mapping[str, int | None] = field(default_factory=dict)  # name -> partitions
-    idle_seconds: float = 60.0
-    snapshot_seconds: float = 60.0
-    stale_relay_seconds: float | None = None  # default: five relay heartbeat periods
-    skew_warn_seconds: float = 1.0
-    dead_ratio: float = 0.2
-    dead_min_rows: int = 10_000
-    kafka: bool = True
 
 
 def exit_code(findings: list[Finding], strict: bool = False) -> int:
@@ -123,20 +113,7 @@ def _release_advice(h: Holder) -> str:
     return advice
 
 
-class _Doctor:
-    def __init__(self, settings: OutboxSettings, options: DoctorOptions) -> None:
-        self.settings = settings
-        self.options = options
-        self.tables = build_tables(settings)
-        self.store = OpsStore(self.tables)
-        self.schema = settings.db_schema
-        self.findings: list[Finding] = []
-
-    def add(
-        self, check: str, level: Level, what: str, action: str | None = None, **details: Any
-    ) -> None:
-        self.findings.append(Finding(check, level, what, action, details))
-
+class _Doctor(RelayChecks, KafkaChecks):
     # -- checks ---------------------------------------------------------------------------
     async def migrations(self, conn: AsyncConnection) -> bool:
         current = await asyncio.to_thread(migrate.current, self.settings)
@@ -209,103 +186,6 @@ class _Doctor:
             },
         )
         return [_difference(d) for d in compare_metadata(context, self.tables.metadata)]
-
-    async def poolers(self) -> None:
-        """What each configured database URL goes through, and who may use it: anything may
-        use a session of its own; behind a transaction pooler producers need
-        ``db_pooler=transaction`` (consumers switch by themselves) and the relay refuses."""
-        s = self.settings
-        probe = await probe_session(s)
-        details = _pooler_details("database_url", probe)
-        if probe.stable:
-            what = f"database_url: {probe.describe()}; every component may use it"
-            if s.db_pooler == "transaction":
-                what += " (OUTBOX_DB_POOLER=transaction: prepared statements off anyway)"
-            self.add("pooler", "ok", what, **details)
-        else:
-            own_relay_url = s.relay.database_url is not None
-            todo = []
-            if s.db_pooler != "transaction":
-                todo.append(
-                    "set OUTBOX_DB_POOLER=transaction wherever this URL is used: psycopg's "
-                    "prepared statements fail behind it (consumers turn them off by themselves)"
-                )
-            if not own_relay_url:
-                todo.append(
-                    "set OUTBOX_RELAY__DATABASE_URL to a direct or session-pooled URL of the "
-                    "same database: the relay refuses this one"
-                )
-            level: Level = "error" if not own_relay_url else "warn" if todo else "ok"
-            relay = "the relay uses relay.database_url" if own_relay_url else "the relay may not"
-            what = (
-                f"database_url: {probe.describe()}; producers, consumers and operator tools "
-                f"may use it, {relay}"
-            )
-            self.add("pooler", level, what, "; ".join(todo) or None, **details)
-        for name, url in (
-            ("relay.database_url", s.relay.database_url),
-            ("consumer.database_url", s.consumer.database_url),
-        ):
-            if url is not None:
-                await self._daemon_url(name, s.model_copy(update={"database_url": url}))
-
-    async def _daemon_url(self, name: str, settings: OutboxSettings) -> None:
-        try:
-            probe = await probe_session(settings)
-        except OutboxError as exc:
-            self.add("pooler", "error", f"{name}: {exc}", f"check {name}", url=name)
-            return
-        details = _pooler_details(name, probe)
-        if name.startswith("relay") and not probe.stable:
-            what = f"{name}: {probe.describe()}; the relay refuses it"
-            action = "point it at a direct or session-pooled URL of the same database"
-            self.add("pooler", "error", what, action, **details)
-        else:
-            who = "the relay" if name.startswith("relay") else "consumers"
-            self.add("pooler", "ok", f"{name}: {probe.describe()}; {who} may use it", **details)
-
-    async def wal(self, conn: AsyncConnection) -> None:
-        """The WAL source, in WAL mode or whenever its slot exists (one left over from a
-        switch back to the table source holds WAL for nobody)."""
-        state = await conn.run_sync(lambda sync: read_state(sync, self.settings))
-        if self.settings.source == "wal" or state.slot is not None:
-            self.findings += wal_findings(state, self.settings)
-
-    async def wal_stream(self) -> None:
-        """In WAL mode, whether the relay's URL admits the replication connection it
-        streams the slot over (a pooler in front, or a role without REPLICATION, does not)."""
-        if self.settings.source != "wal":
-            return
-        relay = self.settings.for_relay()
-        try:
-            conn = await replication_connection(relay, "outbox-doctor")
-        except ReplicationRefused as exc:
-            action = (
-                "point OUTBOX_RELAY__DATABASE_URL at PostgreSQL itself, and grant the relay's "
-                "role REPLICATION (`outbox wal setup --print-sql --role ROLE`)"
-            )
-            self.add("wal_stream", "error", str(exc), action, url=relay.safe_database_url)
-            return
-        except psycopg.Error as exc:
-            what = f"the relay's replication connection could not be opened: {describe(exc)[1]}"
-            self.add("wal_stream", "warn", what, url=relay.safe_database_url)
-            return
-        await conn.close()
-        what = "the relay's URL admits the replication connection it streams the slot over"
-        self.add("wal_stream", "ok", what, url=relay.safe_database_url)
-
-    def wal_switch(self, pending: int) -> None:
-        """In WAL mode, rows left in the outbox table come first: the WAL relay publishes
-        nothing from the slot until a table relay has drained them (switching, docs/howto)."""
-        if self.settings.source == "wal" and pending:
-            self.add(
-                "wal_switch",
-                "warn",
-                f"{pending} events are still pending in the outbox table: the WAL relay "
-                "publishes nothing from the slot until they are gone",
-                "keep a relay with --source table running until `outbox lag` shows 0 pending",
-                pending=pending,
-            )
 
     async def indexes(self, conn: AsyncConnection, pending: int) -> None:
         declared = {i.name: i for t in self.tables.metadata.sorted_tables for i in t.indexes}
@@ -426,8 +306,9 @@ class _Doctor:
         self.add(
             "snapshot",
             level,
-            f"{h.describe()} holds back VACUUM; the outbox has {dead} dead rows it cannot "
-            "remove (relays skip them at their lane cursors; the table and its indexes grow)",
+            f"{h.describe()} holds back VACUUM; the outbox has {dead} dead row versions "
+            "it cannot remove (relays skip them at their lane cursors; the table and its "
+            "indexes grow)",
             _release_advice(h),
             **details,
         )
@@ -481,47 +362,6 @@ class _Doctor:
         if not bloated:
             self.add("bloat", "ok", "dead tuple ratios are fine")
 
-    async def relays(self, conn: AsyncConnection, pending: int) -> None:
-        if self.settings.source == "wal" and not pending:
-            return  # WAL relays are not lane owners: check wal_reader says whether one reads
-        stale_after = self.options.stale_relay_seconds or default_stale_after(self.settings)
-        owned: set[int] = set()
-        live = 0
-        for r in await conn.execute(self.store.relays):
-            age = float(r.heartbeat_age)
-            if age <= stale_after:
-                live += 1
-                owned.update(r.lanes or [])
-                continue
-            self.add(
-                "relays",
-                "warn",
-                f"relay {r.relay_id} ({r.hostname} pid {r.pid}) has not sent a heartbeat for "
-                f"{age:.0f}s; it claims lanes {sorted(r.lanes or [])}",
-                "if that process is gone, its lanes are free once its database session "
-                "ended; delete its row from the relays table (or restart it) to tidy up",
-                relay_id=r.relay_id,
-                heartbeat_age_seconds=age,
-            )
-        unowned = [lane for lane in range(self.settings.lanes) if lane not in owned]
-        if live == 0:
-            self.add(
-                "relays",
-                "error" if pending else "warn",
-                f"no live relay ({pending} events pending)",
-                "start one: `outbox relay`",
-            )
-        elif unowned:
-            self.add(
-                "relays",
-                "warn",
-                f"{len(unowned)} of {self.settings.lanes} lanes have no live owner",
-                "wait a few seconds for takeover; if it persists, check relay logs",
-                unowned=unowned,
-            )
-        else:
-            self.add("relays", "ok", f"{live} live relay(s) own all {self.settings.lanes} lanes")
-
     async def clock(self, conn: AsyncConnection) -> None:
         before = time.time()
         db_now: datetime = (await conn.execute(self.store.clock)).scalar_one()
@@ -564,109 +404,6 @@ class _Doctor:
             tls=False,
         )
 
-    def kafka_tls(self) -> None:
-        """Kafka's protection is what the settings ask for: a client that connected at all
-        did so with that protocol (the broker refuses anything else on that listener)."""
-        k = self.settings.kafka
-        how = k.security_protocol + (f" ({k.sasl_mechanism})" if k.uses_sasl else "")
-        self.add(
-            "tls",
-            "ok",
-            f"Kafka connections use {how}" + ("" if k.uses_tls else ": not encrypted"),
-            service="kafka",
-            tls=k.uses_tls,
-        )
-
-    async def topics(self, conn: AsyncConnection) -> None:
-        wanted: dict[str, int | None] = {
-            t: None for t in (await conn.execute(self.store.pending_topics)).scalars()
-        }
-        wanted.update(self.options.topics)
-        bootstrap = self.settings.kafka_bootstrap_servers
-        try:
-            async with KafkaProbe(self.settings) as probe:
-                counts = await probe.partitions(wanted)
-        except OutboxError as exc:
-            self.add("kafka", "error", str(exc), "check the broker and kafka_bootstrap_servers")
-            return
-        self.add("kafka", "ok", f"Kafka at {bootstrap} reachable")
-        self.kafka_tls()
-        for topic, expected in sorted(wanted.items()):
-            have = counts.get(topic)
-            if have is None:
-                self.add(
-                    "topic",
-                    "error",
-                    f"topic {topic!r} does not exist"
-                    + (" but has pending outbox rows" if expected is None else ""),
-                    "create it: outbox topics ensure --topic "
-                    + (f"{topic}:{expected}" if expected else topic)
-                    + " (partitions default to OUTBOX_TOPICS__PARTITIONS, replication to "
-                    "OUTBOX_TOPICS__REPLICATION_FACTOR capped by the broker count)",
-                    topic=topic,
-                )
-            elif expected is not None and have != expected:
-                self.add(
-                    "topic",
-                    "warn",
-                    f"topic {topic!r} has {have} partitions, expected {expected}",
-                    "adding partitions changes which partition a key maps to (per-key order "
-                    "breaks across the change); fix the expectation or plan a migration",
-                    topic=topic,
-                    partitions=have,
-                    expected=expected,
-                )
-            else:
-                self.add("topic", "ok", f"topic {topic!r}: {have} partitions", topic=topic)
-
-    async def dead_letter_limits(self, conn: AsyncConnection) -> None:
-        """Each existing dead-letter topic of a consumed (or named) topic must take the
-        records its source takes: a larger dead letter is kept in the database only."""
-        suffix = self.settings.consumer.dlq_suffix
-        sources = set((await conn.execute(self.store.consumed_topics)).scalars())
-        sources.update(self.options.topics)
-        sources = {t for t in sources if not t.endswith(suffix)}
-        if not sources:
-            return
-        try:
-            async with KafkaProbe(self.settings) as probe:
-                limits = await probe.limits([*sources, *(t + suffix for t in sources)])
-        except OutboxError as exc:
-            self.add("dead_letter_topic", "warn", f"cannot read topic configs: {exc}")
-            return
-        room = header_room(self.settings.consumer.error_message_chars)
-        pairs = [(t, t + suffix) for t in sorted(sources) if t in limits and t + suffix in limits]
-        small = False
-        for source, dlq in pairs:
-            have, need = limits[dlq].max_message_bytes, limits[source].max_message_bytes
-            if have >= need:
-                continue
-            small = True
-            self.add(
-                "dead_letter_topic",
-                "warn",
-                f"dead-letter topic {dlq!r} takes records up to {have} bytes, its source "
-                f"{source!r} up to {need}: a larger dead letter is kept in the database only "
-                "(a marker without the value goes to the topic)",
-                f"kafka-configs.sh --bootstrap-server {self.settings.kafka_bootstrap_servers} "
-                f"--alter --entity-type topics --entity-name {dlq} "
-                f"--add-config max.message.bytes={need + room}",
-                topic=dlq,
-                max_message_bytes=have,
-                source=source,
-                source_max_message_bytes=need,
-            )
-        if pairs and not small:
-            self.add(
-                "dead_letter_topic",
-                "ok",
-                f"{len(pairs)} dead-letter topic(s) take their source topics' records",
-            )
-
-
-def _pooler_details(url: str, probe: SessionProbe) -> dict[str, Any]:
-    return {"url": url, "mode": probe.mode, "pooler": probe.pooler, "address": probe.address}
-
 
 async def diagnose(
     engine: AsyncEngine, settings: OutboxSettings, options: DoctorOptions | None = None
@@ -682,6 +419,7 @@ async def diagnose(
                 await doctor.tls(conn)
                 await doctor.idle_transactions(conn)
                 await doctor.wal(conn)
+                await doctor.wal_failover(conn)
                 await doctor.wal_stream()
                 if have_tables:
                     pending = int((await conn.execute(doctor.store.pending_total)).scalar_one())

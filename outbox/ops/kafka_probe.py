@@ -1,6 +1,6 @@
 """Read-only questions to Kafka for the operator tools: which topics exist with how many
 partitions, how large a record each takes, the end offsets of partitions, and a consumer
-group's committed offsets.
+group's committed offsets and members.
 
 Nothing here produces, joins a group or commits: the offset reader has no group id, so
 looking at a group's lag never disturbs the group.
@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Iterable
+from dataclasses import dataclass
 from types import TracebackType
-from typing import TypeVar
+from typing import Any, TypeVar, cast
 
 from aiokafka import TopicPartition
 from aiokafka.errors import (
@@ -20,14 +21,30 @@ from aiokafka.errors import (
     NotCoordinatorError,
 )
 
-from outbox.daemon import kafka_admin, kafka_consumer, partition_counts, start_kafka
 from outbox.errors import BrokerUnavailable
+from outbox.kafka.admin import partition_counts
+from outbox.kafka.clients import kafka_admin, kafka_consumer, start_kafka
 from outbox.ops.record_limits import TopicLimits, describe_limits
 from outbox.settings import OutboxSettings
 
 _TIMEOUT_MS = 5000
 _COORDINATOR_TRIES = 5
 T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Member:
+    """One member of a consumer group."""
+
+    member_id: str
+    client_id: str
+
+    @property
+    def static(self) -> bool:
+        """Kafka names a member ``<client id>-<UUID>``, a static one ``<group instance
+        id>-<UUID>`` (DescribeGroups before version 4, all aiokafka sends, has no instance
+        id field): a member whose name does not start with its client id is static."""
+        return self.member_id[: -len("-00000000-0000-0000-0000-000000000000")] != self.client_id
 
 
 class KafkaProbe:
@@ -101,12 +118,18 @@ class KafkaProbe:
         result: dict[TopicPartition, int] = await self._call(self._reader.beginning_offsets(tps))
         return result
 
-    async def topic_end_offsets(self, topics: Iterable[str]) -> dict[TopicPartition, int]:
-        """End offsets of every partition of the existing ones among ``topics``."""
-        counts = await self.partitions(topics)
-        return await self.end_offsets(
-            TopicPartition(t, p) for t, n in counts.items() if n for p in range(n)
-        )
+    async def describe_group(self, group: str) -> dict[str, Any]:
+        """The group as its coordinator describes it: ``state`` and ``members`` (each
+        with ``member_id``, ``client_id``, ``client_host``, ``member_assignment`` bytes)."""
+        for attempt in range(_COORDINATOR_TRIES):
+            try:
+                # One group per request: the coordinators differ.
+                [response] = await self._call(self._admin.describe_consumer_groups([group]))
+                [described] = response.to_object()["groups"]
+                return cast(dict[str, Any], described)
+            except (CoordinatorNotAvailableError, NotCoordinatorError):
+                await asyncio.sleep(0.2 * (attempt + 1))
+        raise BrokerUnavailable(f"no group coordinator for {group!r} (is the cluster healthy?)")
 
     async def committed(self, group: str) -> dict[TopicPartition, int]:
         """The group's committed offsets (empty for a group that never committed)."""
@@ -118,6 +141,14 @@ class KafkaProbe:
                 # A fresh cluster creates __consumer_offsets on the first lookup.
                 await asyncio.sleep(0.2 * (attempt + 1))
         raise BrokerUnavailable(f"no group coordinator for {group!r} (is the cluster healthy?)")
+
+    async def members(self, group: str) -> list[Member]:
+        """The group's live members, as its coordinator describes them."""
+        [response] = await self._call(self._admin.describe_consumer_groups([group]))
+        found: list[Member] = []
+        for described in response.to_object()["groups"]:
+            found.extend(Member(m["member_id"], m["client_id"]) for m in described["members"])
+        return found
 
     async def _call(self, call: Awaitable[T]) -> T:
         try:

@@ -19,9 +19,13 @@ What each figure means, and where it comes from:
   partition the group never committed counts everything still retained); dead letters
   from the inbox's dead-letter table. Without an answer from Kafka (``--no-kafka``, Kafka
   unreachable) a group's lag is unknown (``None``), never 0.
-* relays - rows of the relays table; a relay is alive when its heartbeat is younger than
-  ``stale_after`` seconds (default: five heartbeat periods). ``unowned_lanes`` lists lanes
-  no live relay owns: their rows are not being published.
+* relays - rows of the relays table, one per relay whatever its source (``source``: the
+  outbox table or the WAL), with the relay's host and process id; a relay is alive when its
+  heartbeat is younger than ``stale_after`` seconds (default: five heartbeat periods);
+  ``maintenance`` marks the one that runs the maintenance services. ``unowned_lanes`` lists
+  lanes no live relay owns, when lanes need owners (outbox/sources.py: always for the table
+  source, for the WAL source while rows wait in the table): their rows are not being
+  published.
 * vacuum - the outbox's dead rows (``pg_stat_user_tables.n_dead_tup``) and the oldest
   transaction, snapshot or slot holding back VACUUM in the database (outbox/ops/vacuum.py).
 * wal - the WAL source's slot (in WAL mode, or whenever the slot exists): ``retained_bytes``
@@ -48,12 +52,15 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from outbox.db import translated_errors
 from outbox.errors import OutboxError
+from outbox.ops.consumers import GroupState
 from outbox.ops.kafka_probe import KafkaProbe
 from outbox.ops.store import OpsStore
 from outbox.ops.vacuum import VacuumState, vacuum_state
 from outbox.ops.wal_slot import LagProbe, WalState, lag_seconds, read_state
 from outbox.settings import OutboxSettings
+from outbox.sources import source_of
 from outbox.tables import build_tables
+from outbox.wording import counted
 
 RATE_WINDOW_SECONDS = 60.0
 
@@ -91,11 +98,17 @@ class GroupLag:
     partitions: list[PartitionLag] = field(default_factory=list)
     dead_letters: int = 0
     dead_letters_not_replayed: int = 0
+    # Dead letters whose inbox row still says dead-lettered: never replayed, or replayed
+    # and failed again.
+    dead_letters_still_dead: int = 0
     dead_letters_last_hour: int = 0
     error: str | None = None
     # False until Kafka answered for this group: with Kafka not asked (--no-kafka) or
     # unreachable, the lag is unknown — never reported as 0.
     measured: bool = True
+    # Kafka's description of the group (``collect(..., members=True)``; None: not asked or
+    # not answered): its state and running members.
+    described: GroupState | None = None
 
     @property
     def total_lag(self) -> int | None:
@@ -106,11 +119,13 @@ class GroupLag:
 class RelayInfo:
     relay_id: str
     hostname: str
-    pid: int
+    pid: int  # the relay process's (never a database backend's)
     started_at: datetime
     heartbeat_age_seconds: float
     lanes: list[int]
     alive: bool
+    source: str = "table"  # where it reads events (OUTBOX_SOURCE)
+    maintenance: bool = False  # it runs the maintenance services
 
 
 @dataclass
@@ -165,6 +180,7 @@ class LagReport:
     kafka_error: str | None = None
     vacuum: VacuumState | None = None
     wal: WalLag | None = None  # in WAL mode, or when the slot exists
+    lanes_needed: bool = True  # lanes need live owners (outbox/sources.py)
 
     @property
     def pending(self) -> int:
@@ -185,8 +201,16 @@ class LagReport:
 
     @property
     def unowned_lanes(self) -> list[int]:
+        """Lanes no live relay owns, when lanes need owners (else none)."""
+        if not self.lanes_needed:
+            return []
         owned = {lane for r in self.live_relays for lane in r.lanes}
         return [lane for lane in range(self.lanes) if lane not in owned]
+
+    @property
+    def maintenance_relay(self) -> RelayInfo | None:
+        """The live relay that runs the maintenance services, if one does."""
+        return next((r for r in self.live_relays if r.maintenance), None)
 
     @property
     def consumer_lag(self) -> int | None:
@@ -210,11 +234,13 @@ class LagReport:
             group["total_lag"] = g.total_lag
         data["vacuum"] = self.vacuum.to_dict() if self.vacuum else None
         holder = self.vacuum.holder if self.vacuum else None
+        leader = self.maintenance_relay
         data["totals"] = {
             "pending": self.pending,
             "failed": self.failed,
             "oldest_pending_age_seconds": self.oldest_pending_age_seconds,
             "live_relays": len(self.live_relays),
+            "maintenance_relay": leader.relay_id if leader else None,
             "unowned_lanes": len(self.unowned_lanes),
             "max_consumer_lag": self.consumer_lag,
             "outbox_dead_rows": self.vacuum.dead_rows if self.vacuum else None,
@@ -242,7 +268,7 @@ class Thresholds:
         if report.wal is not None:
             found += self._wal_breaches(report.wal)
         if self.max_pending is not None and report.pending > self.max_pending:
-            found.append(f"{report.pending} events pending (limit {self.max_pending})")
+            found.append(f"{counted(report.pending, 'event')} pending (limit {self.max_pending})")
         if self.max_consumer_lag is not None:
             for g in report.groups:
                 lag = g.total_lag
@@ -252,7 +278,7 @@ class Thresholds:
                     )
                 elif lag > self.max_consumer_lag:
                     found.append(
-                        f"consumer group {g.group} lags {lag} records "
+                        f"consumer group {g.group} lags {counted(lag, 'record')} "
                         f"(limit {self.max_consumer_lag})"
                     )
         return found
@@ -359,11 +385,15 @@ async def _database_part(
                 heartbeat_age_seconds=age,
                 lanes=sorted(row.lanes or []),
                 alive=age <= stale_after,
+                source=row.source,
+                maintenance=bool(row.maintenance),
             )
         )
     report.vacuum = await vacuum_state(conn, store)
     state = await conn.run_sync(lambda sync: read_state(sync, settings))
-    if settings.source == "wal" or state.slot is not None:
+    kind = source_of(settings)
+    report.lanes_needed = kind.needs_table_relays(sum(t.pending for t in topics.values()))
+    if kind.reports_slot(state.slot is not None):
         # The probe opens a connection of its own (a temporary slot, dropped at once).
         report.wal = await asyncio.to_thread(WalLag.of, state, settings)
     consumers: list[str] = []
@@ -384,8 +414,10 @@ async def collect(
     kafka: bool = True,
     rates: RateTracker | None = None,
     rate_sample_seconds: float = 0.0,
+    members: bool = False,
 ) -> LagReport:
-    """Take one lag snapshot; Kafka trouble is reported in ``kafka_error``, not raised."""
+    """Take one lag snapshot; Kafka trouble is reported in ``kafka_error``, not raised.
+    ``members``: also ask Kafka for each group's state and members (``described``)."""
     store = OpsStore(build_tables(settings))
     stale_after = default_stale_after(settings) if stale_after is None else stale_after
     with translated_errors():
@@ -408,13 +440,14 @@ async def collect(
         if row is not None:
             g.dead_letters = int(row.total)
             g.dead_letters_not_replayed = int(row.not_replayed)
+            g.dead_letters_still_dead = int(row.still_dead)
             g.dead_letters_last_hour = int(row.last_hour)
     if kafka:
         if rates is not None and report.mode == "delete":
             for name in rates.topics:
                 by_topic.setdefault(name, TopicLag(name))
         try:
-            await _kafka_part(settings, report, by_topic, rates, rate_sample_seconds)
+            await _kafka_part(settings, report, by_topic, rates, rate_sample_seconds, members)
         except OutboxError as exc:
             report.kafka_error = str(exc)
     report.topics = sorted(by_topic.values(), key=lambda t: t.topic)
@@ -427,6 +460,7 @@ async def _kafka_part(
     by_topic: dict[str, TopicLag],
     rates: RateTracker | None,
     rate_sample_seconds: float,
+    members: bool,
 ) -> None:
     async with KafkaProbe(settings) as probe:
         counts = await probe.partitions(by_topic)
@@ -448,6 +482,8 @@ async def _kafka_part(
             try:
                 g.partitions = await _group_lag(probe, g.group)
                 g.measured = True
+                if members:
+                    g.described = GroupState.of(await probe.describe_group(g.group))
             except OutboxError as exc:
                 g.error = str(exc)
 

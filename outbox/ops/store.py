@@ -19,6 +19,7 @@ from sqlalchemy import (
     Select,
     Table,
     TextClause,
+    and_,
     bindparam,
     delete,
     func,
@@ -28,6 +29,7 @@ from sqlalchemy import (
     union,
 )
 
+from outbox.ops.deadletters import DEAD, INBOX_STATUS
 from outbox.tables import Tables
 
 # pg_catalog queries: only bind parameters vary (schema and relation names are values here,
@@ -90,7 +92,7 @@ _IDLE_IN_TRANSACTION = text(
 # (which pg_stat_activity does not show); without pg_read_all_stats (or membership in the
 # session's role) PostgreSQL hides the state, start time and query of other roles'
 # sessions, and those columns are NULL. Plain text without parameters or percent signs:
-# the relay runs the same statement through psycopg (relay/store.py).
+# the relay runs the same statement through psycopg (relay/sources/table/store.py).
 VACUUM_HOLDERS = """
     SELECT h.kind, h.pid, h.name, h.state, h.horizon, age(h.horizon) AS xid_age, h.seconds,
            h.query
@@ -117,10 +119,10 @@ VACUUM_HOLDERS = """
 
 _VACUUM_HOLDERS = text(VACUUM_HOLDERS + " LIMIT :limit")
 
-# Transactions holding RowExclusiveLock on the outbox (they inserted, updated or deleted
-# rows of it) open for longer than :threshold seconds: the relays' claim horizon cannot
-# pass the ids they took (relay/cursor.py). Start time and query need pg_read_all_stats
-# for other roles' sessions; without it they are not listed.
+# Transactions holding RowExclusiveLock on the outbox (they inserted, updated or deleted rows of it)
+# open for longer than :threshold seconds: the relays' claim horizon cannot pass the ids they took
+# (relay/sources/table/cursor.py). Start time and query need pg_read_all_stats for other roles'
+# sessions; without it they are not listed.
 _OUTBOX_WRITERS = text(
     """
     SELECT a.pid, a.application_name AS application, a.state,
@@ -148,7 +150,7 @@ _OWN_TLS = text(
 # one statement that needs an identifier, CREATE PUBLICATION, is built by wal_slot with
 # the identifier quoted). The relay may run WAL_SLOT through psycopg with %(slot)s.
 # Whether this role may create, read and advance slots (superuser or REPLICATION), and
-# its name. The relay runs it through psycopg before streaming (relay/wal_source.py).
+# its name. The relay runs it through psycopg before streaming (relay/sources/wal/source.py).
 WAL_MAY_REPLICATE = """
     SELECT rolsuper OR rolreplication AS may_replicate, rolname AS "user"
       FROM pg_roles WHERE rolname = current_user
@@ -160,7 +162,8 @@ WAL_SETTINGS = text(
                 ELSE pg_size_bytes(current_setting('max_slot_wal_keep_size')) END
              AS max_slot_wal_keep_size,
            current_database() AS database, r."user", r.may_replicate,
-           has_database_privilege(current_database(), 'CREATE') AS may_publish
+           has_database_privilege(current_database(), 'CREATE') AS may_publish,
+           current_setting('server_version_num')::int AS version_num
       FROM ({WAL_MAY_REPLICATE}) AS r
     """
 )
@@ -177,9 +180,13 @@ WAL_SLOT = """
            pg_current_wal_lsn()::text AS current_lsn,
            pg_wal_lsn_diff(pg_current_wal_lsn(), s.restart_lsn)::bigint AS retained_bytes,
            pg_wal_lsn_diff(pg_current_wal_lsn(), s.confirmed_flush_lsn)::bigint
-             AS unconfirmed_bytes
+             AS unconfirmed_bytes,
+           (to_jsonb(s) ->> 'failover')::bool AS failover,
+           (to_jsonb(s) ->> 'synced')::bool AS synced
     FROM pg_replication_slots s WHERE s.slot_name = %(slot)s
 """
+# failover and synced (PostgreSQL 17+) read through to_jsonb: NULL before 17, one query for
+# every version. synced stays true on a promoted standby for the slots it had synced.
 WAL_SLOT_QUERY = text(WAL_SLOT.replace("%(slot)s", ":slot"))
 
 # The WAL relays connected to this database (by their application name): the one reading
@@ -202,6 +209,65 @@ WAL_PUBLICATION = text("SELECT count(*) > 0 FROM pg_publication WHERE pubname = 
 WAL_CREATE_SLOT = text(
     "SELECT lsn::text FROM pg_create_logical_replication_slot(:slot, 'pgoutput')"
 )
+# PostgreSQL 17+: a failover slot (temporary false, two-phase false, failover true), which
+# standbys with sync_replication_slots keep in step, so that it survives a promotion.
+WAL_CREATE_FAILOVER_SLOT = text(
+    "SELECT lsn::text FROM pg_create_logical_replication_slot(:slot, 'pgoutput', false, false,"
+    " true)"
+)
+
+# A replication command (a replication connection runs it, not SQL): the flag of a slot
+# made without it. It waits while another session streams the slot (wal_slot checks first).
+ALTER_FAILOVER_ON = "ALTER_REPLICATION_SLOT {slot} ( FAILOVER true )"
+
+# -- failover (outbox/ops/wal_failover.py, relay/wal_failover.py) -------------------------
+# The timeline of the WAL being written: a promotion starts a new one (NULL on a standby,
+# which writes none). From the name of the current WAL segment: no privilege needed.
+WAL_TIMELINE = """
+    SELECT CASE WHEN pg_is_in_recovery() THEN NULL
+                ELSE ('x' || substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8))::bit(32)::int
+           END AS timeline
+"""
+# On the primary: synchronized_standby_slots (NULL before 17) and each physical standby
+# streaming from it (its walsender; the physical slot it uses, if any). Without
+# pg_read_all_stats, pg_stat_replication hides state and sync_state of others' sessions.
+WAL_PRIMARY_FAILOVER = text(
+    """
+    SELECT current_setting('synchronized_standby_slots', true) AS synchronized_standby_slots,
+           current_setting('server_version_num')::int AS version_num,
+           pg_is_in_recovery() AS in_recovery,
+           coalesce((SELECT json_agg(json_build_object(
+                'application_name', r.application_name, 'state', r.state,
+                'sync_state', r.sync_state, 'slot', ps.slot_name) ORDER BY r.pid)
+              FROM pg_stat_replication r
+              LEFT JOIN pg_replication_slots ps ON ps.active_pid = r.pid
+              WHERE ps.slot_type IS DISTINCT FROM 'logical'
+                AND r.application_name NOT LIKE 'outbox-%'
+                AND r.application_name <> 'pg_basebackup'), '[]'::json) AS standbys,
+           coalesce((SELECT json_agg(slot_name ORDER BY slot_name) FROM pg_replication_slots
+              WHERE slot_type = 'physical'), '[]'::json) AS physical_slots
+    """
+)
+# On a standby: what slot synchronization needs (PostgreSQL 17+), and the slot there.
+# primary_conninfo is readable by superusers and pg_read_all_settings only (it may hold a
+# password): NULL otherwise.
+WAL_STANDBY_FAILOVER = text(
+    """
+    SELECT pg_is_in_recovery() AS in_recovery,
+           current_setting('server_version_num')::int AS version_num,
+           current_setting('sync_replication_slots', true) AS sync_replication_slots,
+           current_setting('hot_standby_feedback') AS hot_standby_feedback,
+           current_setting('primary_slot_name', true) AS primary_slot_name,
+           CASE WHEN pg_has_role('pg_read_all_settings', 'USAGE')
+                     OR (SELECT rolsuper FROM pg_roles WHERE rolname = current_user)
+                THEN current_setting('primary_conninfo', true) END AS primary_conninfo,
+           (SELECT json_build_object('synced', (to_jsonb(s) ->> 'synced')::bool,
+                                     'temporary', s.temporary,
+                                     'invalidated', (to_jsonb(s) ->> 'invalidation_reason'),
+                                     'confirmed_flush_lsn', s.confirmed_flush_lsn::text)
+              FROM pg_replication_slots s WHERE s.slot_name = :slot) AS slot
+    """
+)
 
 # The lag probe (outbox/ops/wal_slot.py): a temporary copy of the slot, at the same
 # confirmed position, is peeked instead of the slot itself (a peek takes the slot, and the
@@ -219,7 +285,6 @@ WAL_PROBE_PEEK = text(
 WAL_PROBE_DROP = text(
     "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE slot_name = :probe"
 )
-WAL_CLOCK = text("SELECT clock_timestamp()")
 
 # Switching back to the table (outbox/ops/wal_drain.py): the WAL position now, then how far
 # the slot's confirmed position is from it (NULL row: no such slot).
@@ -299,6 +364,8 @@ class OpsStore:
             r.c.started_at,
             func.extract("epoch", func.now() - r.c.heartbeat_at).label("heartbeat_age"),
             r.c.lanes,
+            r.c.source,
+            r.c.maintenance,
         ).order_by(r.c.relay_id)
 
     @cached_property
@@ -337,15 +404,43 @@ class OpsStore:
 
     @cached_property
     def dead_letters_by_consumer(self) -> Select[Any]:
-        d = self.tables.dead_letters
-        return select(
-            d.c.consumer,
-            func.count().label("total"),
-            func.count().filter(d.c.replayed_at.is_(None)).label("not_replayed"),
-            func.count()
-            .filter(d.c.dead_lettered_at > func.now() - literal_column("interval '1 hour'"))
-            .label("last_hour"),
-        ).group_by(d.c.consumer)
+        """Per consumer: dead letters, those never replayed, those still dead (their inbox
+        row says dead-lettered: never replayed, or replayed and failed again), those of
+        the last hour."""
+        d, i = self.tables.dead_letters, self.tables.inbox
+        joined = d.outerjoin(i, and_(i.c.consumer == d.c.consumer, i.c.event_id == d.c.event_id))
+        return (
+            select(
+                d.c.consumer,
+                func.count().label("total"),
+                func.count().filter(d.c.replayed_at.is_(None)).label("not_replayed"),
+                func.count().filter(i.c.status == INBOX_STATUS[DEAD]).label("still_dead"),
+                func.count()
+                .filter(d.c.dead_lettered_at > func.now() - literal_column("interval '1 hour'"))
+                .label("last_hour"),
+            )
+            .select_from(joined)
+            .group_by(d.c.consumer)
+        )
+
+    @cached_property
+    def consumer_minutes(self) -> Select[Any]:
+        """The consumer_stats rows since ``:seconds`` ago, with the database's time now."""
+        c = self.tables.consumer_stats
+        since = func.now() - func.make_interval(0, 0, 0, 0, 0, 0, bindparam("seconds"))
+        return (
+            select(
+                c.c.consumer,
+                c.c.minute,
+                c.c.processed,
+                c.c.handler_seconds,
+                c.c.dead_lettered,
+                c.c.retries,
+                func.now().label("now"),
+            )
+            .where(c.c.minute >= func.date_trunc("minute", since))
+            .order_by(c.c.consumer, c.c.minute)
+        )
 
     # -- doctor -------------------------------------------------------------------------
     indexes: TextClause = _INDEXES

@@ -37,8 +37,10 @@ from aiokafka.errors import (
 )
 
 from outbox import identifiers
-from outbox.daemon import kafka_admin, kafka_refusal, partition_counts, start_kafka, topic_error
 from outbox.errors import BrokerRefused, BrokerUnavailable, ConfigurationError
+from outbox.kafka.admin import partition_counts, topic_error
+from outbox.kafka.clients import kafka_admin, start_kafka
+from outbox.kafka.errors import kafka_refusal
 from outbox.ops.record_limits import COMPRESSION, dead_letter_configs, describe_limits
 from outbox.settings import OutboxSettings
 

@@ -15,6 +15,7 @@ from typing import Protocol
 from outbox.ops.findings import Finding, Level
 from outbox.ops.wal_slot import SlotState, WalState
 from outbox.settings import OutboxSettings
+from outbox.sources import source_of
 
 # outbox_relay_wal_slot_status: wal_status as a number (alert rules compare it).
 STATUS_CODES = {"reserved": 0, "extended": 1, "unreserved": 2, "lost": 3}
@@ -57,7 +58,7 @@ def findings(state: WalState, settings: OutboxSettings) -> list[Finding]:
         out.append(Finding(check, level, what, action, dict(details)))
 
     wal, server, slot = settings.wal, state.server, state.slot
-    wal_mode = settings.source == "wal"
+    wal_mode = source_of(settings).reads_slot
     if server.wal_level != "logical":
         add(
             "wal_level",
@@ -130,7 +131,8 @@ def _slot_findings(add: _Add, slot: SlotState, state: WalState, settings: Outbox
             **details,
         )
         return
-    if settings.source != "wal":
+    reads = source_of(settings).reads_slot
+    if not reads:
         add(
             "wal_slot",
             "warn",
@@ -164,7 +166,7 @@ def _slot_findings(add: _Add, slot: SlotState, state: WalState, settings: Outbox
             "time",
             **details,
         )
-    elif settings.source == "wal":  # in table mode, the warning above says it all
+    elif reads:  # in table mode, the warning above says it all
         add(
             "wal_slot",
             "ok",

@@ -23,13 +23,16 @@ from __future__ import annotations
 
 import os
 import secrets
+import select
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import Any, Literal
 
+import psycopg
 import psycopg.errors
+from psycopg import pq
 from sqlalchemy import Connection, CursorResult, TextClause, text
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.exc import DBAPIError
@@ -44,6 +47,8 @@ from outbox.errors import (
     WalSlotMismatch,
 )
 from outbox.ops.store import (
+    ALTER_FAILOVER_ON,
+    WAL_CREATE_FAILOVER_SLOT,
     WAL_CREATE_SLOT,
     WAL_PROBE_COPY,
     WAL_PROBE_DROP,
@@ -57,7 +62,7 @@ from outbox.settings import OutboxSettings
 
 _PREPARER = postgresql.dialect().identifier_preparer  # type: ignore[no-untyped-call]
 PLUGIN = "pgoutput"
-# application_name of the WAL relay's reading connection (relay/wal_source.py): how doctor
+# application_name of the WAL relay's reading connection (relay/sources/wal/source.py): how doctor
 # and lag find the relays of a slot.
 READER_APPLICATION = "outbox-relay-wal"
 
@@ -80,6 +85,16 @@ class ServerWal:
     user: str
     may_replicate: bool  # superuser or REPLICATION: may create, read and advance slots
     may_publish: bool  # CREATE on the database: may create the publication
+    version_num: int = 150000  # server_version_num
+
+    @property
+    def failover_slots(self) -> bool:
+        """Whether this server has failover slots (PostgreSQL 17+)."""
+        return self.version_num >= 170000
+
+    @property
+    def major(self) -> int:
+        return self.version_num // 10000
 
 
 @dataclass(frozen=True)
@@ -100,6 +115,8 @@ class SlotState:
     current_lsn: str
     retained_bytes: int | None  # WAL kept for the slot (from restart_lsn)
     unconfirmed_bytes: int | None  # WAL not yet confirmed by the relay
+    failover: bool | None = None  # kept in step on standbys (PostgreSQL 17+; None before)
+    synced: bool | None = None  # synced from a primary (true on a promoted standby too)
 
     @property
     def being_created(self) -> bool:
@@ -132,12 +149,20 @@ class WalState:
     standby_pids: tuple[int, ...] = ()  # WAL relays waiting to take over
 
 
+# What setup did about the slot's failover flag (SetupResult.failover).
+FailoverStep = Literal["on", "turned on", "in use", "unsupported"]
+
+
 @dataclass(frozen=True)
 class SetupResult:
     publication_created: bool
     slot_created: bool
     slot_lsn: str | None  # the slot's consistent point when it was created now
     server: ServerWal
+    # on: created or found with failover; turned on: for the slot found without it; in
+    # use: could not be turned on (another session streams the slot); unsupported: < 17.
+    failover: FailoverStep = "unsupported"
+    failover_blocker: str | None = None  # the server's refusal when in use
 
 
 def read_server(conn: Connection) -> ServerWal:
@@ -149,6 +174,7 @@ def read_server(conn: Connection) -> ServerWal:
         user=row["user"],
         may_replicate=bool(row["may_replicate"]),
         may_publish=bool(row["may_publish"]),
+        version_num=int(row["version_num"]),
     )
 
 
@@ -193,9 +219,16 @@ def setup_sql(
         "RAISE NOTICE 'publication % exists', "
         f"{_literal(wal.publication)}; END $$;",
         "-- Waits for the transactions open now to end (the slot's consistent point).",
-        f"SELECT pg_create_logical_replication_slot({_literal(wal.slot)}, '{PLUGIN}') "
-        "WHERE NOT EXISTS "
-        f"(SELECT FROM pg_replication_slots WHERE slot_name = {_literal(wal.slot)});",
+        "-- On PostgreSQL 17+ a failover slot: standbys with sync_replication_slots keep it",
+        "-- in step and it survives a promotion; before 17 a promotion loses it",
+        "-- (docs/operations/postgresql-failover.md).",
+        "DO $$ BEGIN IF NOT EXISTS "
+        f"(SELECT FROM pg_replication_slots WHERE slot_name = {_literal(wal.slot)}) THEN "
+        "IF current_setting('server_version_num')::int >= 170000 THEN "
+        f"PERFORM pg_create_logical_replication_slot({_literal(wal.slot)}, '{PLUGIN}', "
+        "false, false, true); "
+        f"ELSE PERFORM pg_create_logical_replication_slot({_literal(wal.slot)}, '{PLUGIN}'); "
+        "END IF; END IF; END $$;",
         "-- The relay's login role reads and advances the slot: it needs REPLICATION.",
     ]
     if role:
@@ -228,7 +261,8 @@ def ensure_on(
         )
     wal = settings.wal
     # The SQL an admin runs: ALTER ROLE only for a role that lacks REPLICATION itself.
-    admin = setup_sql(settings, server.database, None if server.may_replicate else server.user)
+    role = None if server.may_replicate else server.user
+    admin = setup_sql(settings, server.database, role)
     slot = _settled_slot(conn, wal.slot, tell)
     _check_slot(slot, wal.slot, server.database)
     publication_created = False
@@ -241,13 +275,82 @@ def ensure_on(
         tell(f"creating replication slot {wal.slot} (waits for the transactions open now)")
         slot_lsn = _create_slot(conn, wal.slot, server, admin)
         if slot_lsn is not None:
-            tell(f"created replication slot {wal.slot} at LSN {slot_lsn}")
+            kind = " (a failover slot)" if server.failover_slots else ""
+            tell(f"created replication slot {wal.slot} at LSN {slot_lsn}{kind}")
             break
         # A concurrent set-up got there first: return once its slot is ready, or try
         # again if its creation failed (PostgreSQL then drops the half-made slot).
         slot = _settled_slot(conn, wal.slot, tell)
         _check_slot(slot, wal.slot, server.database)
-    return SetupResult(publication_created, slot_lsn is not None, slot_lsn, server)
+    # Steps on a slot that exists (issue 51 adds its own here: privileges, a lost slot).
+    failover, blocker = _failover_on(settings, slot, server, tell)
+    return SetupResult(
+        publication_created, slot_lsn is not None, slot_lsn, server, failover, blocker
+    )
+
+
+def _failover_on(
+    settings: OutboxSettings,
+    slot: SlotState | None,
+    server: ServerWal,
+    tell: Callable[[str], None],
+) -> tuple[FailoverStep, str | None]:
+    """The slot's failover flag: set at creation (``slot`` None: created now), turned on
+    for a slot found without it unless another session streams it (``ALTER_REPLICATION_SLOT``,
+    a replication command, would wait for that session to let go), nothing before 17."""
+    if not server.failover_slots:
+        return "unsupported", None
+    if slot is None or slot.failover:
+        return "on", None
+    if slot.active:
+        return "in use", f"replication slot {slot.slot_name!r} is active for PID {slot.active_pid}"
+    command = ALTER_FAILOVER_ON.format(slot=_ident(slot.slot_name)).encode()
+    try:
+        with psycopg.connect(
+            settings.libpq_dsn, autocommit=True, replication="database", connect_timeout=10
+        ) as rconn:
+            refused = _replication_command(rconn, command)
+    except psycopg.Error as exc:
+        sqlstate, message, _ = describe(exc)
+        refused = f"{message} [SQLSTATE {sqlstate}]"
+    if refused is not None:
+        return "in use", refused
+    tell(f"turned failover on for replication slot {slot.slot_name}")
+    return "turned on", None
+
+
+# How long ALTER_REPLICATION_SLOT may wait: it waits for a session holding the slot to let
+# go (one that took it after the check above), rather than failing.
+_ALTER_WAIT_S = 10.0
+
+
+def _replication_command(conn: psycopg.Connection[Any], command: bytes) -> str | None:
+    """Run a replication command (the simple query protocol: a walsender answers no other);
+    None when it succeeded, else why not. Cancelled after ``_ALTER_WAIT_S``."""
+    pg = conn.pgconn
+    pg.send_query(command)
+    deadline = time.monotonic() + _ALTER_WAIT_S
+    while True:
+        pg.consume_input()
+        if not pg.is_busy():
+            break
+        if time.monotonic() > deadline:
+            conn.cancel_safe()
+            return (
+                f"still waiting after {_ALTER_WAIT_S:g} s for another session to release the slot"
+            )
+        select.select([pg.socket], [], [], 0.2)
+    result = pg.get_result()
+    while pg.get_result() is not None:  # drain, so the connection closes cleanly
+        pass
+    if result is not None and result.status == pq.ExecStatus.COMMAND_OK:
+        return None
+    if result is None:
+        return "no answer"
+    fields = pq.DiagnosticField
+    sqlstate = (result.error_field(fields.SQLSTATE) or b"").decode()
+    message = (result.error_field(fields.MESSAGE_PRIMARY) or b"").decode(errors="replace")
+    return f"{message} [SQLSTATE {sqlstate}]"
 
 
 def _check_slot(slot: SlotState | None, name: str, database: str) -> None:
@@ -317,7 +420,8 @@ def _create_slot(conn: Connection, slot: str, server: ServerWal, admin: str) -> 
         f"role {server.user} may not create replication slot {slot!r} (it needs REPLICATION "
         "or superuser)"
     )
-    created = _create(conn, WAL_CREATE_SLOT, {"slot": slot}, denied, admin)
+    statement = WAL_CREATE_FAILOVER_SLOT if server.failover_slots else WAL_CREATE_SLOT
+    created = _create(conn, statement, {"slot": slot}, denied, admin)
     return None if created is None else str(created.scalar_one())
 
 

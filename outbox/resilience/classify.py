@@ -20,7 +20,7 @@ from outbox.errors import OutboxError
 # Statuses a retry can fix: timeouts, "too early", throttling, and server-side failures.
 # Every other 4xx says the request itself is wrong; sending it again changes nothing.
 _RETRYABLE_4XX = frozenset({408, 425, 429})
-_DELAY_SECONDS = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*$")
+_DELAY_SECONDS = re.compile(r"\s*(\d+(?:\.\d+)?)\s*")
 
 
 class _Declared(OutboxError):
@@ -127,7 +127,7 @@ def retry_after_seconds(value: str | None, now: float | None = None) -> float | 
     """
     if value is None:
         return None
-    match = _DELAY_SECONDS.match(value)
+    match = _DELAY_SECONDS.fullmatch(value)
     if match:
         return float(match.group(1))
     try:

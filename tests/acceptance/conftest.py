@@ -18,11 +18,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import Engine
+from sqlalchemy import Engine, func, select
 
 from outbox import migrate
 from outbox.db import sync_engine
 from outbox.settings import OutboxSettings
+from outbox.tables import build_tables
 from tests.support.private_pg import PrivatePostgres, PrivatePostgresFailed, private_postgres
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -131,6 +132,28 @@ def relay_and_consumer(
                 proc.wait(30)
             except subprocess.TimeoutExpired:
                 proc.kill()
+
+
+def numbered_app(directory: Path, consumer: str, topic: str) -> str:
+    """Write a consumer app module into ``directory`` (put it on PYTHONPATH) whose handler
+    takes every ``test.numbered`` event of ``topic`` and does nothing; its MODULE:ATTR."""
+    module = f"numbered_app_{uuid.uuid4().hex[:8]}"
+    (directory / f"{module}.py").write_text(
+        "import inbox\n"
+        f"app = inbox.Consumer(name={consumer!r}, topics=[{topic!r}])\n"
+        "@app.handler('test.numbered')\n"
+        "async def handle(event: inbox.InboxEvent, session: object) -> None:\n"
+        "    pass\n"
+    )
+    return f"{module}:app"
+
+
+def handled(engine: Engine, settings: OutboxSettings, consumer: str) -> int:
+    """How many events ``consumer``'s inbox holds."""
+    inbox = build_tables(settings).inbox
+    with engine.connect() as conn:
+        query = select(func.count()).select_from(inbox).where(inbox.c.consumer == consumer)
+        return int(conn.execute(query).scalar_one())
 
 
 @pytest.fixture(scope="session")

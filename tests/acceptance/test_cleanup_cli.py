@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import signal
 import time
-import uuid
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -20,12 +19,9 @@ from outbox.settings import OutboxSettings
 from outbox.tables import build_tables
 from tests.acceptance.conftest import Cli, SchemaFactory
 from tests.support.kafka import read_all
+from tests.support.retention import add_effects, add_idempotency, add_inbox, ago, counts
 
 pytestmark = pytest.mark.acceptance
-
-
-def ago(spec: str) -> Any:
-    return func.now() - text(f"interval '{spec}'")
 
 
 def publish(engine: Engine, s: OutboxSettings, topic: str, n: int) -> list[int]:
@@ -54,57 +50,6 @@ def age_rows(
                 published_at=None if published is None else ago(published),
             )
         )
-
-
-def counts(engine: Engine, s: OutboxSettings) -> dict[str, int]:
-    t = build_tables(s)
-    with engine.connect() as conn:
-        return {
-            name: int(conn.execute(select(func.count()).select_from(table)).scalar_one())
-            for name, table in (
-                ("events", t.events),
-                ("inbox", t.inbox),
-                ("idempotency", t.idempotency),
-                ("effects", t.effects),
-                ("failed", t.failed),
-            )
-        }
-
-
-def add_inbox(engine: Engine, s: OutboxSettings, n: int, processed: str) -> None:
-    inbox = build_tables(s).inbox
-    with engine.begin() as conn:
-        for i in range(n):
-            conn.execute(
-                insert(inbox).values(
-                    consumer="c1", event_id=f"{processed}-{i}", topic="t", partition=0,
-                    offset=i, status="processed", processed_at=ago(processed),
-                )
-            )  # fmt: skip
-
-
-def add_idempotency(engine: Engine, s: OutboxSettings, n: int, expires: Any) -> None:
-    keys = build_tables(s).idempotency
-    with engine.begin() as conn:
-        for _ in range(n):
-            conn.execute(
-                insert(keys).values(
-                    scope="s", key=uuid.uuid4().hex, payload_hash="h", status="complete",
-                    expires_at=expires,
-                )
-            )  # fmt: skip
-
-
-def add_effects(engine: Engine, s: OutboxSettings, n: int, state: str, expires: Any) -> None:
-    ledger = build_tables(s).effects
-    with engine.begin() as conn:
-        for _ in range(n):
-            conn.execute(
-                insert(ledger).values(
-                    key=uuid.uuid4().hex, payload_hash="h", state=state, dependency="d",
-                    dedupe_window=text("interval '1 day'"), expires_at=expires,
-                )
-            )  # fmt: skip
 
 
 def add_failed(engine: Engine, s: OutboxSettings, n: int, failed: str) -> None:

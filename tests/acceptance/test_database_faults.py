@@ -22,18 +22,16 @@ import asyncio
 import base64
 import json
 import os
-import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 from sqlalchemy import Engine, func, select, text
-from sqlalchemy.orm import Session
 
-from outbox import Message, Outbox, migrate
+from outbox import migrate
 from outbox.db import sync_engine
 from outbox.dberrors import OUTAGE, trouble
 from outbox.settings import OutboxSettings
@@ -41,6 +39,7 @@ from outbox.tables import build_tables
 from tests.acceptance.conftest import ROOT, Cli, Daemons, relay_and_consumer
 from tests.support.inbox import ce_headers, effect_rows, effect_verdict, produce
 from tests.support.private_pg import PrivatePostgres
+from tests.support.steady import SteadyProducer, effects
 
 pytestmark = pytest.mark.acceptance
 
@@ -50,79 +49,6 @@ KEYS = 40
 def _pad() -> str:
     """4 KiB that PostgreSQL cannot compress: each stored payload takes its room on disk."""
     return base64.b64encode(os.urandom(3072)).decode()
-
-
-@dataclass
-class Producer:
-    """Publishes through the outbox in a thread until stopped; a failed transaction is
-    retried as it was (same event ids: the inbox absorbs a commit that did land)."""
-
-    settings: OutboxSettings
-    topic: str
-    published: int = 0
-    errors: list[BaseException] = field(default_factory=list)
-    stop: threading.Event = field(default_factory=threading.Event)
-    _thread: threading.Thread | None = None
-
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def finish(self) -> int:
-        self.stop.set()
-        assert self._thread is not None
-        self._thread.join(30)
-        return self.published
-
-    def _chunk(self, start: int) -> list[Message]:
-        return [
-            Message(
-                topic=self.topic,
-                key=f"key-{n % KEYS}",
-                event_type="test.event",
-                event_id=uuid.uuid5(uuid.NAMESPACE_URL, f"{self.topic}/{n}"),
-                payload={"key": f"key-{n % KEYS}", "seq": n // KEYS, "pad": _pad()},
-            )
-            for n in range(start, start + 10)
-        ]
-
-    def _run(self) -> None:
-        engine = sync_engine(self.settings, pool_size=1)
-        outbox = Outbox(self.settings)
-        try:
-            chunk = self._chunk(0)
-            while not self.stop.is_set():
-                try:
-                    with Session(engine) as session, session.begin():
-                        outbox.publish_many(session, chunk)
-                except Exception as exc:
-                    self.errors.append(exc)
-                    self.stop.wait(0.2)
-                    continue
-                self.published += len(chunk)
-                chunk = self._chunk(self.published)
-                self.stop.wait(0.05)
-        finally:
-            engine.dispose()
-
-
-def _app_module(tmp_path: Path, group: str, topic: str, effects: str) -> str:
-    module = f"dbfault_app_{group.replace('-', '_')}"
-    (tmp_path / f"{module}.py").write_text(
-        "import json\n"
-        "from sqlalchemy import text\n"
-        "import inbox\n"
-        f"app = inbox.Consumer(name={group!r}, topics=[{topic!r}])\n"
-        "@app.handler('test.event')\n"
-        "async def store(event: inbox.InboxEvent, session: object) -> None:\n"
-        "    body = json.loads(event.value)\n"
-        "    await session.execute(\n"
-        f"        text('INSERT INTO {effects} (event_id, key, seq, payload) '\n"
-        "             'VALUES (:e, :k, :s, :p)'),\n"
-        "        {'e': event.event_id, 'k': body['key'], 's': body['seq'], 'p': body['pad']},\n"
-        "    )\n"
-    )
-    return module
 
 
 def _direct(
@@ -146,7 +72,7 @@ class Stream:
     group: str
     effects: str
     daemons: Daemons
-    producer: Producer
+    producer: SteadyProducer
     direct: int = 0
 
     def applied(self) -> int:
@@ -193,30 +119,14 @@ def stream(pg: PrivatePostgres, kafka_bootstrap: str, tmp_path: Path) -> Iterato
         db_schema=f"acc_{uuid.uuid4().hex[:10]}",
     )
     migrate.upgrade(settings)
-    suffix = uuid.uuid4().hex[:8]
-    topic, group, effects = f"dbfault-{suffix}", f"dbfault-{suffix}", f"effects_{suffix}"
     engine = sync_engine(settings, pool_size=2)
-    with engine.begin() as conn:
-        conn.execute(
-            text(
-                f"CREATE TABLE {effects} (id bigserial PRIMARY KEY, event_id text NOT NULL, "
-                "key text, seq int, payload text)"
-            )
-        )
-    module = _app_module(tmp_path, group, topic, effects)
-    cli = Cli(
-        settings,
-        (
-            ("PYTHONPATH", f"{tmp_path}:{ROOT}"),
-            ("OUTBOX_LOG_LEVEL", "INFO"),
-            ("OUTBOX_RETRY__BASE_SECONDS", "0.05"),
-            ("OUTBOX_RETRY__CAP_SECONDS", "1"),
-        ),
-    )
-    producer = Producer(settings, topic)
+    made = effects(engine, tmp_path, "dbfault", pad=True)
+    topic, group, module = made.topic, made.group, made.module
+    cli = Cli(settings, made.cli_env(tmp_path, ROOT))
+    producer = SteadyProducer(settings, topic, pad=_pad)
     try:
         with relay_and_consumer(cli, f"{module}:app", topic, 4, tmp_path) as daemons:
-            yield Stream(pg, settings, engine, topic, group, effects, daemons, producer)
+            yield Stream(pg, settings, engine, topic, group, made.table, daemons, producer)
     finally:
         producer.stop.set()
         engine.dispose()

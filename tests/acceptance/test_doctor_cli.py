@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 import uuid
@@ -62,14 +63,14 @@ def test_doctor_flags_an_idle_in_transaction_session(fresh_schema: SchemaFactory
         idle.execute("SELECT txid_current()")  # opens a transaction and takes an xid
         pid = idle.info.backend_pid
         time.sleep(1.5)
-        report = cli.json("doctor", "--no-kafka", "--idle-seconds", "1", expect_rc=1)
+        report = cli.json("doctor", "--no-kafka", "--idle-longer-than", "1s", expect_rc=1)
         mine = [f for f in findings(report, "idle_in_transaction") if f["details"]["pid"] == pid]
         assert len(mine) == 1
         assert mine[0]["level"] == "error"
         assert mine[0]["details"]["holds_horizon"] is True
         assert f"pg_terminate_backend({pid})" in mine[0]["action"]
         idle.rollback()
-    report = cli.json("doctor", "--no-kafka", "--idle-seconds", "1")
+    report = cli.json("doctor", "--no-kafka", "--idle-longer-than", "1s")
     assert not [f for f in findings(report, "idle_in_transaction") if f["level"] != "ok"]
 
 
@@ -102,10 +103,10 @@ def test_doctor_status_and_lag_name_a_held_snapshot_and_an_open_outbox_writer(
         with psycopg.connect(s.libpq_dsn, application_name="forgetful-producer") as writer:
             writer.execute(insert, (1,))  # and the transaction stays open
             time.sleep(2)
-            report = cli.json("doctor", "--no-kafka", "--snapshot-seconds", "1", expect_rc=1)
-            status = cli.json("status", "--snapshot-seconds", "1", expect_rc=1)
+            report = cli.json("doctor", "--no-kafka", "--snapshot-older-than", "1s", expect_rc=1)
+            status = cli.json("status", "--snapshot-older-than", "1s", expect_rc=1)
             lag = cli.json("lag", "--no-kafka")
-            plain = cli("status", "--snapshot-seconds", "1").stdout
+            plain = cli("status", "--snapshot-older-than", "1s").stdout
             writer_pid = writer.info.backend_pid
             writer.rollback()
         running.join()
@@ -131,7 +132,7 @@ def test_doctor_status_and_lag_name_a_held_snapshot_and_an_open_outbox_writer(
     assert {p["check"] for p in status["problems"]} >= {"snapshot", "outbox_writer"}
     assert lag["vacuum"]["outbox_dead_rows"] >= 300
     assert lag["totals"]["oldest_snapshot_seconds"] > 1
-    assert "nightly-report" in plain and "dead rows" in plain
+    assert "nightly-report" in plain and "dead tuples (not yet vacuumed)" in plain
     for out in (report, status, lag, plain):
         assert "secret-literal" not in str(out)
 
@@ -236,3 +237,52 @@ async def test_doctor_flags_a_dead_letter_topic_taking_smaller_records_than_its_
         f"--entity-name {big}.dlq --add-config max.message.bytes={3_000_000 + room}"
         in (finding["action"])
     )
+
+
+async def test_doctor_asks_for_group_instance_ids_in_a_group_of_dynamic_members(
+    fresh_schema: SchemaFactory,
+    acceptance_engine: Engine,
+    new_topic: Callable[..., Awaitable[str]],
+) -> None:
+    # Issue 52: with dynamic members a group coordinator that hangs and comes back (and
+    # every restart) stops all of the group's partitions; static members keep theirs.
+    from aiokafka import AIOKafkaConsumer
+
+    s = fresh_schema()
+    topic = await new_topic(partitions=2)
+    dynamic, static = f"c-{uuid.uuid4().hex[:8]}", f"c-{uuid.uuid4().hex[:8]}"
+    inbox = build_tables(s).inbox
+    with acceptance_engine.begin() as conn:  # the inbox knows both consumers
+        for group in (dynamic, static):
+            conn.execute(
+                insert(inbox).values(
+                    consumer=group, event_id="e", topic=topic, partition=0, offset=0,
+                    status="processed",
+                )
+            )  # fmt: skip
+    members = [
+        AIOKafkaConsumer(
+            topic,
+            bootstrap_servers=s.kafka_bootstrap_servers,
+            group_id=group,
+            group_instance_id=f"{group}-{n}" if group == static else None,
+            enable_auto_commit=False,
+        )
+        for group in (dynamic, static)
+        for n in range(2)
+    ]
+    try:
+        for member in members:
+            await member.start()
+        # Both groups formed (each member took part in a join).
+        await asyncio.gather(*(m.getmany(timeout_ms=3000) for m in members))
+        report = await asyncio.to_thread(Cli(s).json, "doctor")
+    finally:
+        for member in members:
+            await member.stop()
+    groups = {f["details"]["group"]: f for f in findings(report, "consumer group")}
+    assert groups[dynamic]["level"] == "warn", groups
+    assert groups[dynamic]["details"] == {"group": dynamic, "members": 2, "dynamic": 2}
+    assert "OUTBOX_CONSUMER__GROUP_INSTANCE_ID" in groups[dynamic]["action"]
+    assert "{hostname}" in groups[dynamic]["action"]
+    assert groups[static]["level"] == "ok", groups

@@ -78,7 +78,7 @@ def test_list_show_and_resolve_applied(
         == 422
     )
     human = cli("effects", "list", "--state", "unknown")
-    assert human.returncode == 0 and key in human.stdout and "1 effects" in human.stderr
+    assert human.returncode == 0 and key in human.stdout and human.stderr == "1 effect\n"
 
     shown = cli.json("effects", "show", key)
     assert shown["state"] == "unknown" and shown["dependency"] == "default"
@@ -116,21 +116,22 @@ def test_resolve_not_applied_lets_the_next_caller_call(
 
 
 @pytest.mark.parametrize(
-    ("args", "message"),
+    ("args", "rc", "message"),
     [
-        (("show", "no-such-key"), "no effect with key no-such-key"),
-        (("resolve", "no-such-key", "--not-applied"), "no effect with key no-such-key"),
-        (("resolve", "k", "--applied", "{not json"), "--applied is not valid JSON"),
-        (("resolve", "k"), "exactly one of --applied RESULT_JSON or --not-applied"),
-        (("resolve", "k", "--applied", "1", "--not-applied"), "exactly one of"),
+        (("show", "no-such-key"), 1, "EffectNotFound: no effect with key no-such-key"),
+        (("resolve", "no-such-key", "--not-applied"), 1, "no effect with key no-such-key"),
+        (("resolve", "k", "--applied", "{not json"), 2, "UsageError: --applied is not valid JSON"),
+        (("resolve", "k"), 2, "UsageError: give exactly one of --applied RESULT_JSON or"),
+        (("resolve", "k", "--applied", "1", "--not-applied"), 2, "exactly one of"),
     ],
 )
-def test_bad_input_is_one_clear_line_and_exit_1(
-    schema: OutboxSettings, args: tuple[str, ...], message: str
+def test_bad_input_is_one_clear_line_exit_1_when_not_found_2_for_usage(
+    schema: OutboxSettings, args: tuple[str, ...], rc: int, message: str
 ) -> None:
     proc = Cli(schema)("effects", *args)
-    assert proc.returncode == 1, proc.stderr
-    assert message in proc.stderr
+    assert proc.returncode == rc, proc.stderr
+    [line] = proc.stderr.splitlines()
+    assert line.startswith("error: ") and message in line, line
     no_traceback(proc)
 
 

@@ -134,7 +134,7 @@ def test_lag_thresholds_set_the_exit_code(
 def test_lag_threshold_in_human_mode_says_why(populated: Populated) -> None:
     proc = populated.cli("lag", "--no-kafka", "--max-age", "60", "--max-pending", "100")
     assert proc.returncode == 3, proc.stderr
-    assert "threshold exceeded" in proc.stderr
+    assert "error: ThresholdExceeded: " in proc.stderr
     assert "oldest pending event" in proc.stderr
     assert populated.topic_a in proc.stdout
 

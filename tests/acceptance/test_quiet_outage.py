@@ -16,11 +16,17 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from sqlalchemy import Engine, func, select
+from sqlalchemy import Engine
 
 from outbox.settings import OutboxSettings
-from outbox.tables import build_tables
-from tests.acceptance.conftest import ROOT, Cli, SchemaFactory, relay_and_consumer
+from tests.acceptance.conftest import (
+    ROOT,
+    Cli,
+    SchemaFactory,
+    handled,
+    numbered_app,
+    relay_and_consumer,
+)
 from tests.support.kafka import ServicesFailed, private_broker
 from tests.support.relay import publish_numbered
 
@@ -39,21 +45,14 @@ def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, obje
         pytest.fail(str(exc), pytrace=False)
 
 
-def _handled(engine: Engine, settings: OutboxSettings, consumer: str) -> int:
-    inbox = build_tables(settings).inbox
-    with engine.connect() as conn:
-        query = select(func.count()).select_from(inbox).where(inbox.c.consumer == consumer)
-        return int(conn.execute(query).scalar_one())
-
-
 async def _wait_handled(
     engine: Engine, settings: OutboxSettings, consumer: str, count: int, within: float
 ) -> int:
     deadline = time.monotonic() + within
-    seen = _handled(engine, settings, consumer)
+    seen = handled(engine, settings, consumer)
     while seen < count and time.monotonic() < deadline:
         await asyncio.sleep(0.5)
-        seen = _handled(engine, settings, consumer)
+        seen = handled(engine, settings, consumer)
     return seen
 
 
@@ -73,14 +72,7 @@ async def test_a_30s_broker_outage_writes_at_most_6_lines_per_daemon(
     settings = fresh_schema().model_copy(update={"kafka_bootstrap_servers": bootstrap})
     suffix = uuid.uuid4().hex[:8]
     topic, group = f"quiet-{suffix}", f"quiet-{suffix}"
-    module = f"quiet_app_{suffix}"
-    (tmp_path / f"{module}.py").write_text(
-        "import inbox\n"
-        f"app = inbox.Consumer(name={group!r}, topics=[{topic!r}])\n"
-        "@app.handler('test.numbered')\n"
-        "async def handle(event: inbox.InboxEvent, session: object) -> None:\n"
-        "    pass\n"
-    )
+    app = numbered_app(tmp_path, group, topic)
     cli = Cli(
         settings,
         (
@@ -90,7 +82,7 @@ async def test_a_30s_broker_outage_writes_at_most_6_lines_per_daemon(
             ("OUTBOX_RETRY__CAP_SECONDS", "3"),
         ),
     )
-    with relay_and_consumer(cli, f"{module}:app", topic, 3, tmp_path) as daemons:
+    with relay_and_consumer(cli, app, topic, 3, tmp_path) as daemons:
         logs = daemons.logs
         publish_numbered(acceptance_engine, settings, topic, 200, keys=10)
         assert await _wait_handled(acceptance_engine, settings, group, 200, 60) == 200, _dump(logs)

@@ -17,7 +17,7 @@ from sqlalchemy.orm import Session
 
 import inbox
 from inbox import EventContext, InboxEvent, Permanent
-from inbox.store import PROCESSED
+from inbox.sql import PROCESSED
 from inbox.testing import InboxHarness
 from outbox.settings import OutboxSettings
 

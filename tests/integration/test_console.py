@@ -1,24 +1,23 @@
 """The operator console in a real headless Chromium, against the console run as the CLI
 runs it, over real PostgreSQL and Kafka (dead letters from a real failing consumer).
 
-The screenshots of docs/howto/console.md are taken here: into .screenshots/console/ (ignored
-by git) on every run, into docs/assets/console/ with OUTBOX_TEST_SCREENSHOTS=docs, so that a
-test run leaves the working tree clean and the docs change only when asked to."""
+The screenshots of docs/howto/console.md are taken here (and by the dead-letter history
+test): see tests/support/console.py shot()."""
 
 from __future__ import annotations
 
-import datetime as dt
 import json
-import os
+import re
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 
 import httpx
 import pytest
-from playwright.async_api import Browser, Page, async_playwright
+from playwright.async_api import Browser, Page
 from prometheus_client import CollectorRegistry
 from pydantic import BaseModel
 from sqlalchemy import Engine, func, insert, select, text
@@ -28,11 +27,16 @@ from sqlalchemy.orm import Session
 import inbox
 from inbox import DeadLetterFilter, DeadLetters
 from outbox import Message, Outbox
-from outbox.db import sync_engine
 from outbox.effects import Ambiguous, EffectOutcomeUnknown, Effects
 from outbox.settings import OutboxSettings
 from outbox.tables import build_tables
-from tests.support.console import CHROMIUM_ARGS, chromium, console_process, seed_dead_letters
+from tests.support.console import (
+    chromium_browser,
+    console_process,
+    seed_dead_letters,
+    seed_failed_rows,
+    shot,
+)
 from tests.support.inbox import (
     ROOT,
     RunningConsumer,
@@ -46,14 +50,9 @@ from tests.support.inbox import (
 )
 from tests.support.kafka import create_topic
 from tests.support.services import Endpoints
-from tests.support.tables import own_tables
+from tests.support.tables import engine_of, own_tables
 
 pytestmark = pytest.mark.integration
-SHOTS = (
-    ROOT / "docs" / "assets" / "console"
-    if os.environ.get("OUTBOX_TEST_SCREENSHOTS") == "docs"
-    else ROOT / ".screenshots" / "console"
-)
 
 
 class Order(BaseModel):
@@ -84,9 +83,8 @@ def csettings(base_settings: OutboxSettings) -> OutboxSettings:
 
 @pytest.fixture(scope="module")
 def cengine(csettings: OutboxSettings) -> Iterator[Engine]:
-    e = sync_engine(csettings, pool_size=2)
-    yield e
-    e.dispose()
+    with engine_of(csettings) as e:
+        yield e
 
 
 def _record(order: int, sku: str) -> tuple[bytes, bytes, list[tuple[str, bytes]]]:
@@ -145,14 +143,21 @@ async def scenario(csettings: OutboxSettings, cengine: Engine, services: Endpoin
     return Scenario(csettings, app, topic, table, bad, 2 + 4, broken)
 
 
+REFRESH_SECONDS = 2.0
+
+
 @pytest.fixture(scope="module")
 def consoles(csettings: OutboxSettings) -> Iterator[dict[str, str]]:
-    """Two consoles over the same tables: one with --allow-actions, one read-only."""
+    """Two consoles over the same tables: one with --allow-actions that shows payloads and
+    refreshes every 2 s, one read-only with the default settings."""
     with (
-        console_process(csettings, "--allow-actions", OUTBOX_CONSOLE__SAMPLE_SECONDS="1") as (
-            rw,
-            _,
-        ),
+        console_process(
+            csettings,
+            "--allow-actions",
+            OUTBOX_CONSOLE__SAMPLE_SECONDS="1",
+            OUTBOX_CONSOLE__REFRESH_SECONDS=str(REFRESH_SECONDS),
+            OUTBOX_CONSOLE__SHOW_PAYLOADS="true",
+        ) as (rw, _),
         console_process(csettings) as (ro, _),
     ):
         yield {"rw": rw, "ro": ro}
@@ -160,17 +165,8 @@ def consoles(csettings: OutboxSettings) -> Iterator[dict[str, str]]:
 
 @pytest.fixture(scope="module")
 async def browser() -> AsyncIterator[Browser]:
-    path = chromium()
-    if path is None:
-        pytest.fail(
-            "chromium not found (/usr/bin/chromium): run scripts/bootstrap, or "
-            "apt-get install chromium — the console's browser tests need it",
-            pytrace=False,
-        )
-    async with async_playwright() as p:
-        b = await p.chromium.launch(executable_path=path, args=CHROMIUM_ARGS, headless=True)
+    async with chromium_browser() as b:
         yield b
-        await b.close()
 
 
 @pytest.fixture
@@ -184,11 +180,6 @@ async def page(browser: Browser) -> AsyncIterator[Page]:
     await context.close()
 
 
-async def shot(page: Page, name: str, full: bool = False) -> None:
-    SHOTS.mkdir(parents=True, exist_ok=True)
-    await page.screenshot(path=str(SHOTS / f"{name}.png"), full_page=full)
-
-
 async def test_overview_shows_the_real_backlog_and_consumer_lag(
     scenario: Scenario, consoles: dict[str, str], page: Page
 ) -> None:
@@ -196,8 +187,105 @@ async def test_overview_shows_the_real_backlog_and_consumer_lag(
     assert await page.inner_text("#pending-total") == "6"
     row = page.locator("#consumers tr", has_text=scenario.app.name)
     assert await row.locator("td.lag").inner_text() == "4"
+    assert await row.locator("td.members").inner_text() == "no running member"
     assert "invoices" in await page.inner_text("#topics")
+    # The lag chart has its axes: round values in events up the side, UTC times along
+    # the bottom (every 10 minutes of the last hour), both with their units.
+    chart = page.locator("#lag-chart svg.chart")
+    y_labels = await chart.locator(".y-axis text.tick").all_text_contents()
+    assert y_labels[0] == "0" and len(y_labels) >= 2
+    assert all(label.replace("k", "").replace(".", "").isdigit() for label in y_labels)
+    x_labels = await chart.locator(".x-axis text.tick").all_text_contents()
+    assert len(x_labels) == 6 and all(re.fullmatch(r"\d\d:\d0", x) for x in x_labels)
+    units = await chart.locator("text.unit").all_text_contents()
+    assert units == ["events", "time (UTC)"]
+    assert await chart.locator("polyline.line.pending").count() >= 1
+    # The throughput and handler-time sparklines say their figures in words.
+    assert "events/s" in await row.inner_text() and "ms/event" in await row.inner_text()
     await shot(page, "overview", full=True)
+
+
+async def _shown_with_one_member(page: Page, group: str) -> None:
+    """Until the page (refreshing itself) shows ``group`` with one running member."""
+    await page.wait_for_function(
+        "n => [...document.querySelectorAll('#consumers tr.group-row')]"
+        ".some(r => r.textContent.includes(n) && r.querySelector('td.members')"
+        ".textContent.trim() === '1')",
+        arg=group,
+        timeout=30_000,
+    )
+
+
+async def test_a_replay_that_fails_again_counts_as_dead(
+    scenario: Scenario, consoles: dict[str, str], page: Page
+) -> None:
+    """The handler is still broken: replaying the group fails again, and every count says
+    the letters are dead (not "not replayed"); the running member is shown with its
+    partitions meanwhile."""
+    await page.goto(consoles["rw"] + "/")
+    async with RunningConsumer(scenario.app, fast_settings(scenario.settings)) as c:
+        await _shown_with_one_member(page, scenario.app.name)
+        await page.goto(consoles["rw"] + "/consumers")
+        member_rows = page.locator(".group-detail", has_text=scenario.app.name).locator(
+            ".members-table tr"
+        )
+        assert await member_rows.count() == 2  # the heading and one member
+        detail = await member_rows.nth(1).inner_text()
+        assert f"{scenario.topic}[0]" in detail and "since" in detail
+        assert "127.0.0.1" in detail  # the host, as the broker sees it
+        await shot(page, "consumers", full=True)
+
+        await page.goto(f"{consoles['rw']}/dead-letters?consumer={scenario.app.name}")
+        group = page.locator("#groups tr.group", has_text="rejected: sku")
+        await group.get_by_role("button", name="Replay 3").click()
+        assert await page.inner_text("h1") == "Replay 3 dead letters?"
+        await page.click("#confirm")
+        await page.wait_for_selector(".done")
+        await wait_for(
+            lambda: c.metrics.counts["dead_lettered"] >= 3 and c.metrics.counts["processed"] >= 4,
+            what="the 3 replays dead-lettered again, the 4 unread processed",
+        )
+    # Counts that say what is still dead.
+    await page.goto(f"{consoles['rw']}/dead-letters?consumer={scenario.app.name}")
+    counts = await page.inner_text("#state-counts")
+    assert "3 dead" in counts and "0 processed" in counts and "0 replaying" in counts
+    group = page.locator("#groups tr.group", has_text="rejected: sku")
+    assert "3 dead again" in await group.locator("td.progress").inner_text()
+    assert "0 of 3 replayed processed" in await group.locator("td.progress").inner_text()
+    assert await group.get_by_role("button", name="Replay 3").count() == 1  # it can act
+    states = await page.locator("#letters tr.letter td.state").all_inner_texts()
+    assert states == ["dead"] * 3
+    await shot(page, "dead-letters-failed-replay")
+    await page.goto(consoles["rw"] + "/")
+    row = page.locator("#consumers tr.group-row", has_text=scenario.app.name)
+    assert "3 still dead of 3" in await row.inner_text()
+
+
+async def test_a_stopped_consumer_shows_as_no_running_member_within_one_refresh(
+    scenario: Scenario, consoles: dict[str, str], page: Page
+) -> None:
+    await page.goto(consoles["rw"] + "/")
+    await page.evaluate("window.notReloaded = true")
+    async with RunningConsumer(scenario.app, fast_settings(scenario.settings)):
+        await _shown_with_one_member(page, scenario.app.name)
+    stopped = time.monotonic()
+    await page.wait_for_function(
+        "n => [...document.querySelectorAll('#consumers tr.group-row')]"
+        ".some(r => r.textContent.includes(n) && r.querySelector('.no-member'))",
+        arg=scenario.app.name,
+        timeout=30_000,
+    )
+    # One refresh: the interval, plus the page's own render (Kafka and database calls).
+    assert time.monotonic() - stopped < REFRESH_SECONDS + 3
+    assert await page.evaluate("window.notReloaded === true")  # no full-page load
+    assert "updated" in await page.inner_text("#refresh-status")
+    # One click turns the refresh off: the page stops asking.
+    await page.click("#refresh-toggle")
+    assert await page.inner_text("#refresh-toggle") == "Auto-refresh: off"
+    before = await page.inner_text("#refresh-status")
+    await page.wait_for_timeout(int(REFRESH_SECONDS * 1000 * 2))
+    assert await page.inner_text("#refresh-status") == before
+    await page.click("#refresh-toggle")  # on again for the other tests (localStorage)
 
 
 async def test_dead_letter_from_a_failing_handler_is_grouped_opened_and_replayed_once(
@@ -215,12 +303,25 @@ async def test_dead_letter_from_a_failing_handler_is_grouped_opened_and_replayed
     await page.locator("#letters tr.letter a").first.click()
     await page.wait_for_url("**/dead-letters/show?*")
     assert "SkuRejected: order 10" in await page.inner_text("#error")
-    payload = json.loads(await page.inner_text("#payload"))
+    payload = json.loads(await page.inner_text("#payload"))  # this console shows them
     assert payload["sku"] == "bad"
     assert len(await page.inner_text("#letter")) > 0
     event_id = await page.locator("#letter tr", has_text="event id").locator("td").inner_text()
     assert event_id in scenario.bad
+    # Three attempts of the first delivery, three of the failed replay: times and errors.
+    attempts = await page.locator("#attempts li").all_inner_texts()
+    assert len(attempts) == 6, attempts
+    assert all("SkuRejected: order 10" in a and " UTC" in a for a in attempts)
+    assert "delivery, attempt 1" in attempts[0] and "replay 1, attempt 3" in attempts[-1]
+    assert "test_console.py" in await page.inner_text("#frame")
+    assert "in handle" in await page.inner_text("#trace")
     await shot(page, "dead-letter", full=True)
+    # A read-only console with the default settings never shows the payload.
+    await page.goto(page.url.replace(consoles["rw"], consoles["ro"]))
+    assert "Hidden: payloads may hold personal data" in await page.inner_text("#payload-hidden")
+    assert await page.locator("#payload").count() == 0
+    assert '"sku"' not in await page.content()
+    await page.go_back()
 
     # The fix is deployed: the handler accepts the order now. The consumer runs again (and
     # catches up on the 4 records it had not read).
@@ -233,9 +334,7 @@ async def test_dead_letter_from_a_failing_handler_is_grouped_opened_and_replayed
         await page.click("#confirm")
         await page.wait_for_selector(".done")
         assert "replayed 1, refused 0" in await page.inner_text(".done")
-        await wait_for(
-            lambda: c.metrics.counts["processed"] >= 5, what="the replay and the 4 unread"
-        )
+        await wait_for(lambda: c.metrics.counts["processed"] >= 1, what="the replay")
     counts = effect_counts(cengine, scenario.table)
     replayed = [k for k in counts if k.startswith("order-10")]
     assert len(replayed) == 1, counts
@@ -247,6 +346,54 @@ async def test_dead_letter_from_a_failing_handler_is_grouped_opened_and_replayed
         f"{consoles['rw']}/dead-letters/show?consumer={scenario.app.name}&event_id={event_id}"
     )
     assert await page.inner_text("#state") == "processed"
+
+
+async def test_the_state_filter_and_replay_only_where_it_can_act(
+    csettings: OutboxSettings, consoles: dict[str, str], page: Page, cengine: Engine
+) -> None:
+    consumer = f"states-{uuid.uuid4().hex[:6]}"
+    ids = seed_dead_letters(csettings, 4, consumer=consumer, error_class="Stuck")
+    inbox_table = build_tables(csettings).inbox
+    with cengine.begin() as conn:  # the 4th has no inbox row: forgotten
+        conn.execute(
+            insert(inbox_table),
+            [
+                {
+                    "consumer": consumer,
+                    "event_id": event_id,
+                    "topic": "orders",
+                    "partition": 0,
+                    "offset": n,
+                    "status": status,
+                }
+                for n, (event_id, status) in enumerate(
+                    zip(ids, ("dead_lettered", "replaying", "processed"), strict=False)
+                )
+            ],
+        )
+    await page.goto(f"{consoles['rw']}/dead-letters?consumer={consumer}")
+    counts = await page.inner_text("#state-counts")
+    for state in ("dead", "replaying", "processed", "forgotten"):
+        assert f"1 {state}" in counts, counts
+    group = page.locator("#groups tr.group", has_text="Stuck")
+    assert await group.get_by_role("button", name="Replay 3").count() == 1  # not the processed
+    for state, event_id in zip(("dead", "replaying", "processed", "forgotten"), ids, strict=True):
+        await page.select_option("#state-filter", state)
+        await page.get_by_role("button", name="Filter", exact=True).click()
+        await page.wait_for_url(f"**state={state}*")
+        rows = page.locator("#letters tr.letter")
+        assert await rows.count() == 1
+        assert await rows.locator("td.state").inner_text() == state
+        assert event_id in await rows.inner_text()
+        can_replay = page.get_by_role("button", name=re.compile("^Replay the"))
+        assert await can_replay.count() == (0 if state == "processed" else 1)
+        if state == "processed":
+            await shot(page, "dead-letters-state-filter")
+            await rows.locator("a").click()
+            await page.wait_for_url("**/dead-letters/show?*")
+            assert await page.get_by_role("button", name="Replay").count() == 0
+            assert "nothing to replay" in await page.inner_text("#letter-section")
+            await page.go_back()
 
 
 async def test_a_group_of_50_is_purged_with_one_confirmation(
@@ -373,29 +520,7 @@ async def test_an_unknown_effect_is_given_up_and_a_failed_row_retried_from_the_p
 
     failed = build_tables(csettings).failed
     ids = [900_001, 900_002]
-    with cengine.begin() as conn:
-        conn.execute(
-            insert(failed),
-            [
-                {
-                    "id": i,
-                    "event_id": uuid.uuid4(),
-                    "topic": "gone-topic",
-                    "key": b"k",
-                    "lane": 0,
-                    "event_type": "invoice.due",
-                    "source": "urn:test",
-                    "content_type": "application/json",
-                    "payload": b"{}",
-                    "fingerprint": b"f",
-                    "headers": {},
-                    "created_at": dt.datetime.now(dt.UTC),
-                    "attempts": 5,
-                    "last_error": "UnknownTopicOrPartitionError",
-                }
-                for i in ids
-            ],
-        )
+    seed_failed_rows(cengine, csettings, ids, "gone-topic", "UnknownTopicOrPartitionError")
     await page.goto(f"{consoles['rw']}/failed?topic=gone-topic")
     await page.locator(f"#failed input[value='{ids[0]}']").check()
     await page.get_by_role("button", name="Retry selected").click()

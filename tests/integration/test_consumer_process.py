@@ -152,7 +152,7 @@ async def test_handler_calling_os_exit_is_dead_lettered_after_n_runs(
 # partition quiet for disarm_idle_seconds disarms it; one killed before that looks like one
 # that died in its next run: the next owner handles the records armed for in careful mode,
 # and charges that phantom run to the one that then kills the process (documented in
-# ``inbox/processor.py``).
+# ``inbox/marker.py``).
 @pytest.mark.parametrize(
     ("disarm_idle", "runs_of_crasher"),
     [("0", 2), ("0.2", 3)],

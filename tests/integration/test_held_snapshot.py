@@ -188,14 +188,14 @@ async def test_a_late_commit_is_published_between_its_neighbours_while_a_snapsho
         ]
         await asyncio.sleep(1.0)
         # The horizon waits for the open writer, so k's lane cursor stays below its id.
-        assert relay.cursors.known().get(lane, late_id - 1) < late_id
+        assert relay.source.cursors.known().get(lane, late_id - 1) < late_id
         slow_tx.commit()
         with engine.begin() as conn:
             [after] = ob.publish_many(conn, [_msg(topic, "k", 3)])
         expected = [str(first), str(overtaking), str(late), str(after)]
         records = await read_ids(s.kafka_bootstrap_servers, topic, expected + others)
         await wait_for(
-            lambda: relay.cursors.known().get(lane, 0) > late_id,
+            lambda: relay.source.cursors.known().get(lane, 0) > late_id,
             timeout=10,
             what="k's lane cursor past the late row once it was published",
         )
@@ -322,13 +322,13 @@ async def test_two_relays_with_a_held_snapshot_keep_per_key_order(
         await asyncio.sleep(1.5)
         second = await running(s)
         await wait_for(
-            lambda: bool(second.lanes.owned) and len(first.lanes.owned) < LANES,
+            lambda: bool(second.source.lanes.owned) and len(first.source.lanes.owned) < LANES,
             timeout=20,
             what="the lanes shared by two relays",
         )
         await asyncio.sleep(0.5)
         with psycopg.connect(s.libpq_dsn, autocommit=True) as admin:
-            conn = first.lanes._conn
+            conn = first.source.lanes._conn
             assert conn is not None
             admin.execute("SELECT pg_terminate_backend(%s)", (conn.info.backend_pid,))
             await asyncio.sleep(1.0)
@@ -345,14 +345,14 @@ async def test_two_relays_with_a_held_snapshot_keep_per_key_order(
     assert len(ids) == 15_000
     assert (v.lost, v.out_of_order, v.unexpected) == (0, 0, 0), v
     # Cursors were in use (not a run that scanned from the lane start all along).
-    assert first.cursors.known() or second.cursors.known()
+    assert first.source.cursors.known() or second.source.cursors.known()
 
 
 def test_the_horizon_rests_on_the_lock_an_insert_takes_before_its_id(
     settings: OutboxSettings,
 ) -> None:
-    """The premise of relay/cursor.py, checked against this PostgreSQL: an INSERT with a
-    cached plan holds RowExclusiveLock on the outbox before it takes an id (here: while a
+    """The premise of relay/sources/table/cursor.py, checked against this PostgreSQL: an INSERT with
+    a cached plan holds RowExclusiveLock on the outbox before it takes an id (here: while a
     subquery it runs first sleeps), and a read-only snapshot holds no such lock."""
     migrate.upgrade(settings)
     events = f'"{settings.db_schema}"."{settings.table_prefix}events"'
@@ -361,9 +361,9 @@ def test_the_horizon_rests_on_the_lock_an_insert_takes_before_its_id(
         " payload, fingerprint) SELECT gen_random_uuid(), 't', 0, 'e', 's', 'c', '', ''"
         " FROM (SELECT pg_sleep(%s)) s"
     )
-    from relay.store import RelayStore
+    from relay.sources.table.store import ClaimStore
 
-    store = RelayStore(settings)
+    store = ClaimStore.of(settings)
     with (
         psycopg.connect(settings.libpq_dsn) as writer,
         psycopg.connect(settings.libpq_dsn, autocommit=True) as watcher,
@@ -396,17 +396,21 @@ def test_the_horizon_rests_on_the_lock_an_insert_takes_before_its_id(
 def test_relay_claim_transactions_do_not_hold_the_horizon(settings: OutboxSettings) -> None:
     """A transaction holding a claim fence (a relay's claim: it never takes an id) is not
     a writer the horizon waits for; any other holder of RowExclusiveLock is."""
-    from relay.store import RelayStore, namespaces
+    from relay.sources.table.store import ClaimStore
+    from relay.store import namespaces
 
     migrate.upgrade(settings)
-    store = RelayStore(settings)
+    store = ClaimStore.of(settings)
     events = f'"{settings.db_schema}"."{settings.table_prefix}events"'
     with (
         psycopg.connect(settings.libpq_dsn) as claim,
         psycopg.connect(settings.libpq_dsn) as other,
         psycopg.connect(settings.libpq_dsn, autocommit=True) as watcher,
     ):
-        claim.execute("SELECT pg_try_advisory_xact_lock(%s, 3)", (namespaces(settings)[2],))
+        claim.execute(
+            "SELECT pg_try_advisory_xact_lock(%s, 3)",
+            (namespaces(settings.db_schema, settings.table_prefix)[2],),
+        )
         claim.execute(f"DELETE FROM {events} WHERE false")
         other.execute(f"DELETE FROM {events} WHERE false")
         pids = [int(r[1]) for r in watcher.execute(store.writers).fetchall()]
@@ -423,7 +427,7 @@ async def test_a_row_written_below_a_cursor_outside_the_rules_is_still_published
     """The safety net: a row inserted by hand with an old id (as a tool restoring rows
     might) lands below its lane's cursor; the periodic look below the cursors finds it,
     forgets that lane's cursor, and the row is published."""
-    monkeypatch.setattr("relay.lanes.SAFETY_NET_SECONDS", 1.0)
+    monkeypatch.setattr("relay.sources.table.pending.SAFETY_NET_SECONDS", 1.0)
     s = fast(settings, stats_interval_seconds=0.5)
     topic = await new_topic()
     ob = Outbox(s)
@@ -431,7 +435,9 @@ async def test_a_row_written_below_a_cursor_outside_the_rules_is_still_published
     ids = await asyncio.to_thread(publish_numbered, engine, s, topic, 2000, keys=1)
     await read_ids(s.kafka_bootstrap_servers, topic, ids)
     lane = lane_for(b"k0", uuid.uuid4(), LANES)
-    await wait_for(lambda: relay.cursors.known().get(lane, 0) > 1000, what="a cursor past 1000")
+    await wait_for(
+        lambda: relay.source.cursors.known().get(lane, 0) > 1000, what="a cursor past 1000"
+    )
     stray = uuid.uuid4()
     with engine.begin() as conn:
         conn.execute(
@@ -570,7 +576,7 @@ async def test_without_a_usable_horizon_claims_scan_from_the_lane_start_and_lose
     records = await read_ids(s.kafka_bootstrap_servers, topic, ids)
     v = verdict(records, ids)
     assert (v.lost, v.out_of_order) == (0, 0), v
-    assert relay.cursors.horizon.value is None and relay.cursors.known() == {}
+    assert relay.source.cursors.horizon.value is None and relay.source.cursors.known() == {}
     assert [r.getMessage() for r in caplog.records].count(
         "claim horizon off: claims scan their lanes from the start (the outbox id sequence "
         "caches values per session or does not count upwards: ALTER SEQUENCE ... CACHE 1 "
@@ -580,4 +586,4 @@ async def test_without_a_usable_horizon_claims_scan_from_the_lane_start_and_lose
         conn.execute(text(f"ALTER SEQUENCE {seq} CACHE 1"))
     more = await asyncio.to_thread(publish_numbered, engine, s, topic, 500, keys=20, start=500)
     await read_ids(s.kafka_bootstrap_servers, topic, more)
-    await wait_for(lambda: bool(relay.cursors.known()), timeout=20, what="cursors back")
+    await wait_for(lambda: bool(relay.source.cursors.known()), timeout=20, what="cursors back")

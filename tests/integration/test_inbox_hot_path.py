@@ -16,7 +16,6 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 import inbox
 from inbox.store import InboxStore
-from outbox.kafka_room import fetch_wait
 from outbox.settings import ConsumerSettings, OutboxSettings
 from tests.support.inbox import (
     RunningConsumer,
@@ -134,7 +133,8 @@ async def test_fetches_linger_while_records_flow_and_not_when_quiet(
     c = RunningConsumer(app, lingering)
 
     def fetch_settings() -> tuple[int, int]:
-        found = fetch_wait(c.daemon._kafka)
+        assert c.daemon._kafka is not None
+        found = c.daemon._kafka.fetch_wait()
         assert found is not None
         return found
 
@@ -165,7 +165,8 @@ async def test_the_app_tuning_fetches_itself_turns_the_linger_off(
 
     @app.handler("test.event")
     async def handle(event: inbox.InboxEvent, session: AsyncSession) -> None:
-        found = fetch_wait(c.daemon._kafka)
+        assert c.daemon._kafka is not None
+        found = c.daemon._kafka.fetch_wait()
         assert found is not None
         waits.append(found[1])
 

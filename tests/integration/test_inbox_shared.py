@@ -20,6 +20,7 @@ import inbox.runner
 import inbox.store
 from inbox import Retryable
 from inbox.event import InboxEvent
+from inbox.marker import AttemptMarker
 from inbox.processor import PartitionProcessor
 from outbox.settings import ConsumerSettings, OutboxSettings, RetrySettings
 from tests.support.inbox import (
@@ -157,9 +158,9 @@ async def test_a_slow_stream_writes_no_attempt_marker_of_its_own_after_the_first
         )
 
     own_writes: list[int] = []  # partitions whose marker was committed on its own
-    mark, arm = PartitionProcessor._mark, inbox.store.InboxStore.arm_markers
+    mark, arm = AttemptMarker.mark, inbox.store.InboxStore.arm_markers
 
-    async def spy_mark(self: PartitionProcessor, *args: Any, **kw: Any) -> None:
+    async def spy_mark(self: AttemptMarker, *args: Any, **kw: Any) -> None:
         own_writes.append(self.partition)
         await mark(self, *args, **kw)
 
@@ -167,7 +168,7 @@ async def test_a_slow_stream_writes_no_attempt_marker_of_its_own_after_the_first
         own_writes.extend(p for _, p, _, _ in runs)
         await arm(self, db, consumer, runs)
 
-    monkeypatch.setattr(PartitionProcessor, "_mark", spy_mark)
+    monkeypatch.setattr(AttemptMarker, "mark", spy_mark)
     monkeypatch.setattr(inbox.store.InboxStore, "arm_markers", spy_arm)
     async with RunningConsumer(app, settings) as c:
         await wait_for(c.assigned, what="assignment")

@@ -1,5 +1,5 @@
-"""The canary: every aiokafka internal of the Kafka room (outbox/kafka_room.py) exercised
-against the installed aiokafka and a real broker, so that an aiokafka release that moves
+"""The canary: every aiokafka internal of the Kafka room (outbox/kafka/aiokafka_internals.py)
+exercised against the installed aiokafka and a real broker, so that an aiokafka release that moves
 one fails here, by name, instead of turning a fix into a silent no-op in production.
 scripts/test runs this file (and a few Kafka tests) against the lowest aiokafka the
 project allows too. Last: a vanished internal costs one WARNING, never the delivery."""
@@ -23,7 +23,7 @@ from aiokafka.errors import ProducerClosed
 from sqlalchemy import Engine
 
 import inbox
-from outbox import kafka_room
+from outbox.kafka import aiokafka_internals
 from outbox.settings import OutboxSettings
 from relay import Relay
 from tests.support.inbox import RunningConsumer, ce_headers, produce, wait_for
@@ -34,13 +34,13 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture(autouse=True)
 def room() -> Iterator[None]:
-    kafka_room.check(again=True)
+    aiokafka_internals.check(again=True)
     yield
-    kafka_room.check(again=True)
+    aiokafka_internals.check(again=True)
 
 
 def test_the_installed_aiokafka_has_every_capability() -> None:
-    assert kafka_room.check(again=True) == {}, aiokafka.__version__
+    assert aiokafka_internals.check(again=True) == {}, aiokafka.__version__
 
 
 class _Picks:
@@ -65,9 +65,9 @@ async def test_broker_choice_reaches_producer_ids_admin_requests_and_coordinator
         topic, bootstrap_servers=kafka_bootstrap, group_id=f"canary-{uuid.uuid4().hex[:8]}"
     )
     picks = {"producer": _Picks(), "admin": _Picks(), "consumer": _Picks()}
-    assert kafka_room.prefer_brokers(producer, picks["producer"])
-    assert kafka_room.prefer_brokers(admin, picks["admin"])
-    assert kafka_room.prefer_brokers(consumer, picks["consumer"])
+    assert aiokafka_internals.prefer_brokers(producer, picks["producer"])
+    assert aiokafka_internals.prefer_brokers(admin, picks["admin"])
+    assert aiokafka_internals.prefer_brokers(consumer, picks["consumer"])
     try:
         await producer.start()  # the idempotent producer's id: a broker "at random"
         await admin.start()
@@ -92,9 +92,9 @@ async def test_a_metadata_request_to_a_chosen_broker_updates_the_clients_view(
     try:
         topic = await new_topic(partitions=3)  # after the start: the consumer knows nothing of it
         for owner in (admin, consumer):
-            client = kafka_room.client_of(owner)
+            client = aiokafka_internals.client_of(owner)
             node = client.cluster.brokers().pop().nodeId
-            answer = await kafka_room.ask_metadata(owner, node, [topic])
+            answer = await aiokafka_internals.ask_metadata(owner, node, [topic])
             described = answer.to_object()
             assert {int(b["node_id"]) for b in described["brokers"]} >= {node}
             (only,) = described["topics"]
@@ -102,15 +102,15 @@ async def test_a_metadata_request_to_a_chosen_broker_updates_the_clients_view(
             assert sorted(p["partition"] for p in only["partitions"]) == [0, 1, 2]
             assert all(p["leader"] >= 0 and p["isr"] for p in only["partitions"])
         # The consumer never asked for the topic: after the update it knows its leaders.
-        client = kafka_room.client_of(consumer)
+        client = aiokafka_internals.client_of(consumer)
         assert client.cluster.partitions_for_topic(topic) is None
-        kafka_room.update_cluster(consumer, answer)
+        aiokafka_internals.update_cluster(consumer, answer)
         assert client.cluster.partitions_for_topic(topic) == {0, 1, 2}
         assert client.cluster.leader_for_partition(TopicPartition(topic, 0)) is not None
     finally:
         await consumer.stop()
         await admin.close()
-    assert kafka_room.usable(kafka_room.METADATA)  # nothing failed in use
+    assert aiokafka_internals.usable(aiokafka_internals.METADATA)  # nothing failed in use
 
 
 async def test_abandoning_queued_batches_fails_them_and_lets_the_producer_stop(
@@ -127,12 +127,12 @@ async def test_abandoning_queued_batches_fails_them_and_lets_the_producer_stop(
         batch.append(key=b"k", value=b"v", timestamp=None)
         future = await producer.send_batch(batch, topic, partition=0)
         assert not future.done()
-        assert kafka_room.abandon_queued(producer, ProducerClosed())
+        assert aiokafka_internals.abandon_queued(producer, ProducerClosed())
         with pytest.raises(ProducerClosed):
             await asyncio.wait_for(future, 5)
     finally:
         await asyncio.wait_for(producer.stop(), 10)
-    assert kafka_room.usable(kafka_room.ABANDON)
+    assert aiokafka_internals.usable(aiokafka_internals.ABANDON)
 
 
 async def test_the_fetch_wait_is_read_and_changed_on_a_running_consumer(
@@ -146,10 +146,10 @@ async def test_the_fetch_wait_is_read_and_changed_on_a_running_consumer(
         consumer.assign([tp])
         await consumer.seek_to_end(tp)
         await consumer.getmany(timeout_ms=200)
-        assert kafka_room.fetch_wait(consumer) == (1, 300)
+        assert aiokafka_internals.fetch_wait(consumer) == (1, 300)
         # The broker now holds each fetch until 1 MiB or 2 s: a single record waits.
-        assert kafka_room.set_fetch_wait(consumer, 1 << 20, 2000)
-        assert kafka_room.fetch_wait(consumer) == (1 << 20, 2000)
+        assert aiokafka_internals.set_fetch_wait(consumer, 1 << 20, 2000)
+        assert aiokafka_internals.fetch_wait(consumer) == (1 << 20, 2000)
         await asyncio.sleep(0.5)  # the fetch in flight with the old settings ends
         await produce(kafka_bootstrap, topic, [(b"k", b"v", [])])
         started = time.monotonic()
@@ -176,23 +176,23 @@ async def test_a_group_members_generation_is_read_and_its_member_id_reset(
         while not consumer.assignment() and time.monotonic() < deadline:
             await consumer.getmany(timeout_ms=200)
         assert consumer.assignment()
-        generation = kafka_room.group_generation(consumer)
+        generation = aiokafka_internals.group_generation(consumer)
         assert generation is not None and generation >= 1
-        assert kafka_room.reset_group_member(consumer)
-        assert kafka_room.group_generation(consumer) == -1  # a fresh join comes next
+        assert aiokafka_internals.reset_group_member(consumer)
+        assert aiokafka_internals.group_generation(consumer) == -1  # a fresh join comes next
     finally:
         await consumer.stop()
     # Kafka error 82 gets a name (aiokafka 0.14 calls it UnknownError).
     from inbox.membership import FENCED_INSTANCE_ID, FencedInstanceIdError
 
-    assert kafka_room.name_error_code(FENCED_INSTANCE_ID, FencedInstanceIdError)
+    assert aiokafka_internals.name_error_code(FENCED_INSTANCE_ID, FencedInstanceIdError)
     assert aiokafka.errors.for_code(FENCED_INSTANCE_ID) is FencedInstanceIdError
 
 
 def test_the_oauthbearer_exchange_is_installed_over_aiokafkas() -> None:
-    assert kafka_room.install_oauth_exchange()
+    assert aiokafka_internals.install_oauth_exchange()
     installed = aiokafka.conn.OAuthAuthenticator
-    assert installed.__module__ == "outbox.kafka_room"
+    assert installed.__module__ == "outbox.kafka.aiokafka_internals"
     base = installed.__bases__[0]
     assert base.__module__ == "aiokafka.conn" and callable(base.step)  # aiokafka's, extended
 
@@ -214,7 +214,7 @@ async def test_a_relay_without_metadata_requests_warns_once_and_delivers(
 ) -> None:
     caplog.set_level(logging.WARNING, logger="outbox.kafka")
     monkeypatch.delattr(aiokafka.protocol.metadata, "MetadataRequest")
-    kafka_room._lost = None  # the relay's start runs the check
+    aiokafka_internals._lost = None  # the relay's start runs the check
     settings = isolated_settings
     topic = await new_topic(partitions=3)
     ids = publish_numbered(engine, settings, topic, 200, keys=10)
@@ -237,7 +237,7 @@ async def test_a_consumer_without_metadata_requests_warns_once_and_consumes(
 ) -> None:
     caplog.set_level(logging.WARNING, logger="outbox.kafka")
     monkeypatch.delattr(aiokafka.protocol.metadata, "MetadataRequest")
-    kafka_room._lost = None  # the consumer's start runs the check
+    aiokafka_internals._lost = None  # the consumer's start runs the check
     topic = await new_topic()
     app = inbox.Consumer(name=f"c-{uuid.uuid4().hex[:10]}", topics=[topic])
     handled: list[str] = []

@@ -11,6 +11,7 @@ from sqlalchemy import text
 
 from outbox import build_tables, migrate
 from outbox.db import sync_engine
+from outbox.errors import SchemaMissing, SchemaOutdated
 from outbox.settings import OutboxSettings
 from outbox.tables import HOT_TABLE_STORAGE
 
@@ -67,6 +68,39 @@ def test_downgrade_to_base_and_back(settings: OutboxSettings) -> None:
     assert migrate.current(s) is None
     migrate.upgrade(s)
     assert migrate.current(s) == migrate.head()
+
+
+def test_check_schema_accepts_head_own_history_and_a_newer_revision_only(
+    settings: OutboxSettings, caplog: pytest.LogCaptureFixture
+) -> None:
+    s = _other(settings, db_schema=f"check_{uuid.uuid4().hex[:8]}")
+    with pytest.raises(SchemaMissing, match=r"no outbox tables in schema 'check_\w+'"):
+        migrate.check_schema(s)
+    migrate.upgrade(s, "0006")
+    with pytest.raises(SchemaOutdated, match=r"at revision 0006, this version .* needs"):
+        migrate.check_schema(s)
+    migrate.upgrade(s)
+    assert migrate.check_schema(s) == migrate.head()
+    # Written by a newer version mid-rollout: accepted, with a WARNING.
+    engine = sync_engine(s)
+    version = f'"{s.db_schema}"."{s.table_prefix}alembic_version"'
+    with engine.begin() as conn:
+        conn.execute(text(f"UPDATE {version} SET version_num = '9999'"))
+    caplog.set_level("WARNING", logger="outbox.migrate")
+    assert migrate.check_schema(s) == "9999"
+    assert [r.getMessage() for r in caplog.records] == [
+        "database schema is newer than this version of outbox-inbox: running on"
+    ]
+    # Without the version table (the tables in a team's own Alembic history): the tables.
+    with engine.begin() as conn:
+        conn.execute(text(f"DROP TABLE {version}"))
+    assert migrate.check_schema(s) is None
+    with engine.begin() as conn:
+        conn.execute(text(f'DROP TABLE "{s.db_schema}"."{s.table_prefix}effects"'))
+    engine.dispose()
+    missing = f"tables missing in schema .*: {s.table_prefix}effects;"
+    with pytest.raises(SchemaMissing, match=missing):
+        migrate.check_schema(s)
 
 
 def test_offline_sql_names_configured_schema_and_prefix(settings: OutboxSettings) -> None:

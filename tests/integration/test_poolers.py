@@ -5,6 +5,7 @@ transaction pooler (relays on their own direct URL) and through a session pooler
 from __future__ import annotations
 
 import asyncio
+import logging
 import signal
 import threading
 import time
@@ -25,12 +26,18 @@ from outbox.db import async_engine, sync_engine
 from outbox.effects import Effects
 from outbox.errors import DatabaseUnavailable, PoolerUnsupported
 from outbox.idempotency import IdempotencyKeys
+from outbox.outages import Dependency
 from outbox.poolers import SessionProbe, probe_session
+from outbox.resilience.retry import RetryPolicy
 from outbox.settings import OutboxSettings
 from relay import Relay
-from relay.lanes import LaneManager
+from relay.database import Database
 from relay.metrics import RelayMetrics
-from relay.store import RelayStore
+from relay.outage import OutageGuard
+from relay.sources.table.cursor import ClaimCursors
+from relay.sources.table.lanes import LaneManager
+from relay.sources.table.pending import PendingStats
+from relay.sources.table.store import ClaimStore
 from tests.support.idempotency import create_effects_table, write_effect, write_effect_async
 from tests.support.inbox import (
     effect_rows,
@@ -322,7 +329,7 @@ async def test_the_relay_refuses_a_transaction_pooler_before_taking_lanes(
     took = time.monotonic() - started
     message = str(info.value)
     assert "PgBouncer in transaction mode" in message and RELAY_FIX in message, message
-    assert relay.lanes.owned == frozenset()
+    assert relay.source.lanes.owned == frozenset()
     print(f"refused in {took:.3f}s")
     assert took < 5
 
@@ -333,6 +340,13 @@ async def test_the_relay_takes_db_pooler_transaction_at_its_word(
     with pytest.raises(PoolerUnsupported) as info:
         await Relay(isolated_settings.model_copy(update={"db_pooler": "transaction"})).run()
     assert "OUTBOX_DB_POOLER=transaction" in str(info.value) and RELAY_FIX in str(info.value)
+
+
+def _lane_manager(s: OutboxSettings) -> LaneManager:
+    metrics, store = RelayMetrics(lanes=s.lanes), ClaimStore.of(s)
+    guard = OutageGuard(Dependency("database", logging.getLogger()), RetryPolicy())
+    pending = PendingStats(s.lanes, 5.0, store, ClaimCursors(), metrics)
+    return LaneManager(s.relay, s.lanes, Database(s), store, guard, metrics, pending)
 
 
 async def test_the_lane_heartbeat_notices_a_moved_session(
@@ -346,8 +360,8 @@ async def test_the_lane_heartbeat_notices_a_moved_session(
     async def probe_missed(*args: object) -> SessionProbe:
         return SessionProbe("session", "PgBouncer", "-", "fooled")
 
-    monkeypatch.setattr("relay.lanes.check_session", probe_missed)
-    lanes = LaneManager(s, RelayStore(s), RelayMetrics(lanes=s.lanes))
+    monkeypatch.setattr("relay.database.check_session", probe_missed)
+    lanes = _lane_manager(s)
     conn = await lanes._connect()
     lanes._conn = conn
     joined = lanes._backend

@@ -13,12 +13,13 @@ from sqlalchemy import Engine, text
 
 from outbox import Outbox
 from outbox.errors import TopicMissing
-from outbox.settings import OutboxSettings
+from outbox.settings import OutboxSettings, StatusSettings
 from outbox.tables import build_tables
 from relay import Relay
-from relay.cursor import LANE_START
 from relay.errors import PartitionUnavailable
-from relay.store import ID, LANE, RelayStore
+from relay.event import ID, LANE
+from relay.sources.table.cursor import LANE_START
+from relay.sources.table.store import ClaimStore
 from tests.support.inbox import wait_for
 from tests.support.kafka import read_all
 from tests.support.relay import fast, publish_numbered, read_ids, verdict
@@ -299,14 +300,13 @@ async def test_the_relay_logs_a_status_line_while_it_runs(
     settings: OutboxSettings,
     new_topic: Callable[..., Awaitable[str]],
     running: Callable[[OutboxSettings], Awaitable[Relay]],
-    monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    monkeypatch.setattr("relay.daemon.STATUS_EVERY_SECONDS", 0.5)
     topic = await new_topic()
     ids = publish_numbered(engine, settings, topic, 50, keys=5)
     caplog.set_level("INFO", logger="relay")
-    await running(fast(settings))
+    status = StatusSettings(interval_seconds=0.5)
+    await running(fast(settings).model_copy(update={"status": status}))
     await read_ids(settings.kafka_bootstrap_servers, topic, ids, wait_seconds=30)
 
     def published() -> list[float]:
@@ -319,6 +319,7 @@ async def test_the_relay_logs_a_status_line_while_it_runs(
     await wait_for(lambda: 50 in published(), timeout=10, what="a status line with 50 published")
     line = next(r for r in caplog.records if r.getMessage() == "relay status")
     assert {"pending", "oldest_age_seconds", "owned_lanes", "kafka_up"} <= set(vars(line))
+    assert all(type(getattr(line, name)) is int for name in ("published", "pending", "kafka_up"))
 
 
 @pytest.mark.parametrize("keep_hours", [0, 24], ids=["delete", "keep"])
@@ -329,7 +330,7 @@ def test_a_claim_stops_at_its_byte_budget_keeping_each_lane_a_prefix(
     s = settings.model_copy(
         update={"relay": settings.relay.model_copy(update={"keep_published_hours": keep_hours})}
     )
-    store, events = RelayStore(s), build_tables(s).events
+    store, events = ClaimStore.of(s), build_tables(s).events
     lanes_and_sizes = [(0, 400), (1, 300), (0, 400), (1, 300), (0, 400)]
     with engine.begin() as conn:
         ids = [

@@ -1,13 +1,13 @@
 """The claim fence against a handover race, statement by statement on real PostgreSQL.
 
-A READ COMMITTED statement takes its snapshot when it starts. A claim that won a lane's
-fence inside the claiming statement itself could win it from an old claim transaction that
-committed *after* that snapshot: the rows the old transaction put back (re-inserted, in
-delete mode) would be invisible to it, while later rows are not — a later row of the key
-would go out first (relay/store.py, the module docstring). These tests stop one of the new
-owner's statements between its snapshot and its first row (at an advisory lock the test
-holds, taken by a test-only CTE added to the relay's own statement), commit the old
-owner's put-back in that window, and check what the new owner's transaction claimed.
+A READ COMMITTED statement takes its snapshot when it starts. A claim that won a lane's fence inside
+the claiming statement itself could win it from an old claim transaction that committed *after* that
+snapshot: the rows the old transaction put back (re-inserted, in delete mode) would be invisible to
+it, while later rows are not — a later row of the key would go out first
+(relay/sources/table/store.py, the module docstring). These tests stop one of the new owner's
+statements between its snapshot and its first row (at an advisory lock the test holds, taken by a
+test-only CTE added to the relay's own statement), commit the old owner's put-back in that window,
+and check what the new owner's transaction claimed.
 """
 
 from __future__ import annotations
@@ -22,9 +22,10 @@ from sqlalchemy import Engine, text
 
 from outbox.settings import OutboxSettings
 from outbox.tables import build_tables
-from relay.cursor import LANE_START
 from relay.errors import PartitionUnavailable
-from relay.store import ID, RelayStore
+from relay.event import ID
+from relay.sources.table.cursor import LANE_START
+from relay.sources.table.store import ClaimStore
 
 pytestmark = pytest.mark.integration
 
@@ -86,7 +87,7 @@ class Claimer:
     """A claim transaction as a pipeline runs it: fence, take-over (optional), claim."""
 
     def __init__(self, settings: OutboxSettings, conn: psycopg.Connection[Any]) -> None:
-        self.store = RelayStore(settings)
+        self.store = ClaimStore.of(settings)
         self.conn = conn
 
     def statements(self, take_over: bool, limit: int) -> list[tuple[str, bytes, dict[str, Any]]]:
@@ -182,7 +183,7 @@ def test_a_take_over_makes_rows_put_back_meanwhile_due_first(
     engine: Engine, isolated_settings: OutboxSettings, keep_hours: float, gate: str
 ) -> None:
     """Rows an old owner put back with a delay (a sick partition) in the window become due
-    before the new owner's first claim of the lane (relay/partitions.py, the take-over)."""
+    before the new owner's first claim of the lane (relay/kafka/partitions.py, the take-over)."""
     s = keeping(isolated_settings, keep_hours)
     ids = insert_rows(engine, s, 15)
     took, pending = race(s, ids, gate, delay=3600.0, take_over=True)

@@ -4,6 +4,7 @@ Kafka outage on a private broker, and the `outbox failed` CLI."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import socket
 import threading
@@ -14,6 +15,8 @@ from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 
 import pytest
+from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka.errors import KafkaError
 from sqlalchemy import Engine, text
 
 from outbox.settings import OutboxSettings
@@ -32,6 +35,7 @@ from tests.support.relay import (
     verdict,
     wait_drained,
 )
+from tests.support.wal import wal_env, wal_source
 
 pytestmark = pytest.mark.integration
 
@@ -165,21 +169,52 @@ def private_kafka(
         pytest.fail(str(exc), pytrace=False)
 
 
-async def test_kafka_down_30s_then_back_all_arrive_and_no_attempts_burned(
+async def _first_new_record(
+    bootstrap: str, topic: str, partitions: int, before: int, within: float
+) -> float:
+    """Seconds until ``topic`` holds more than ``before`` records (the sum of its end
+    offsets; an upper bound, the client starting when the broker does)."""
+    began = time.monotonic()
+    consumer: AIOKafkaConsumer | None = None
+    try:
+        while time.monotonic() - began < within:
+            with contextlib.suppress(KafkaError, OSError):
+                if consumer is None:
+                    starting = AIOKafkaConsumer(bootstrap_servers=bootstrap)
+                    await starting.start()
+                    consumer = starting
+                ends = await consumer.end_offsets(
+                    [TopicPartition(topic, p) for p in range(partitions)]
+                )
+                if sum(ends.values()) > before:
+                    break
+            await asyncio.sleep(0.05)
+    finally:
+        if consumer is not None:
+            await consumer.stop()
+    return time.monotonic() - began
+
+
+@pytest.mark.parametrize("source", ["table", "wal"])
+async def test_kafka_down_30s_then_back_all_arrive_within_2s_and_no_attempts_burned(
     engine: Engine,
     settings: OutboxSettings,
     private_kafka: tuple[str, Callable[[str], None]],
     tmp_path: Path,
+    source: str,
 ) -> None:
+    # The user's retry settings (the tests' relay_env shortens the backoff cap to 2 s): the
+    # relay must notice Kafka's return itself, not when a 30 s backoff happens to end.
     bootstrap, services = private_kafka
     topic = await create_topic(bootstrap, None, 3)
-    s = settings.model_copy(update={"kafka_bootstrap_servers": bootstrap})
-    relay = RelayProcess(
-        relay_env(s, OUTBOX_RELAY__ACK_TIMEOUT_SECONDS="3", OUTBOX_RETRY__CAP_SECONDS="3"),
-        tmp_path,
-        "outage",
-    )
-    try:
+    with contextlib.ExitStack() as stack:
+        s = settings.model_copy(update={"kafka_bootstrap_servers": bootstrap})
+        env = relay_env(s, OUTBOX_RETRY__BASE_SECONDS="0.1", OUTBOX_RETRY__CAP_SECONDS="30")
+        if source == "wal":
+            s = stack.enter_context(wal_source(s))
+            env = {**env, **wal_env(s)}
+        relay = RelayProcess(env, tmp_path, "outage")
+        stack.callback(relay.kill)
         ids = publish_numbered(engine, s, topic, 1000, keys=20)
         first = await read_ids(bootstrap, topic, ids, wait_seconds=30)
         assert verdict(first, ids).lost == 0
@@ -188,23 +223,30 @@ async def test_kafka_down_30s_then_back_all_arrive_and_no_attempts_burned(
         ids += publish_numbered(engine, s, topic, 2000, keys=20, start=1000)
         await asyncio.sleep(30 - (time.monotonic() - down_at))
         assert relay.alive(), relay.log()[-3000:]
-        with engine.connect() as conn:
-            burned = conn.execute(
-                text(f"SELECT count(*) FROM {build_tables(s).events.fullname} WHERE attempts > 0")
-            ).scalar_one()
-        assert pending(engine, s) >= 1 and burned == 0
-        services("kafka-start")
+        if source == "table":
+            with engine.connect() as conn:
+                burned = conn.execute(
+                    text(
+                        f"SELECT count(*) FROM {build_tables(s).events.fullname} WHERE attempts > 0"
+                    )
+                ).scalar_one()
+            assert pending(engine, s) >= 1 and burned == 0
+        services("kafka-start")  # returns once the broker listens
+        resumed = await _first_new_record(bootstrap, topic, 3, 1000, 60)
+        print(f"{source}: the first event of the outage in Kafka {resumed:.2f} s after its return")
         records = await read_ids(bootstrap, topic, ids, wait_seconds=90)
-        left = await asyncio.to_thread(wait_drained, engine, s, 30)
-    finally:
-        relay.kill()
+        left = await asyncio.to_thread(wait_drained, engine, s, 30) if source == "table" else 0
     v = verdict(records, ids)
     assert (v.lost, v.out_of_order, v.unexpected) == (0, 0, 0), v
     assert left == 0
     log = relay.log()
-    # One line when the outage starts and one when it ends — not one per retry.
-    assert 1 <= log.count("Kafka unavailable") <= 3, log[-3000:]
-    assert log.count("Kafka reachable again") >= 1, log[-3000:]
+    assert resumed <= 2.0, log[-3000:]
+    # A line or two when the outage starts and one when it ends, not one per retry. (The
+    # WAL source holds a stalled partition's events in memory and reads on: it reports the
+    # partitions, not Kafka as a whole.)
+    said = [x for x in log.splitlines() if "relay.kafka:" in x and "unavailable" in x]
+    assert 1 <= len(said) <= 3, log[-3000:]
+    assert "partitions of" in log and "available again" in log, log[-3000:]
 
 
 async def test_failed_cli_list_retry_purge(
@@ -234,18 +276,18 @@ async def test_failed_cli_list_retry_purge(
         relay.kill()
     listed = outbox_cli("failed", "list", env=env)
     assert listed.returncode == 0, listed.stderr
-    assert "3 failed row(s)" in listed.stdout and "over the relay's limit" in listed.stdout
+    assert "3 failed rows" in listed.stdout and "over the relay's limit" in listed.stdout
     bad = outbox_cli("failed", "retry", env=env)
     assert bad.returncode == 2  # neither ids nor --all: refused, nothing touched
     relay = RelayProcess(env, tmp_path, "cli-after")
     try:
         retried = outbox_cli("failed", "retry", "--all", env=env)
-        assert retried.returncode == 0 and "requeued 3 row(s)" in retried.stdout, retried.stderr
+        assert retried.returncode == 0 and "requeued 3 rows" in retried.stdout, retried.stderr
         records = await read_ids(kafka_bootstrap, topic, ids, wait_seconds=30)
         assert {r.headers["ce_id"].decode() for r in records} == set(ids)
-        assert "0 failed row(s)" in outbox_cli("failed", "list", env=env).stdout
+        assert "0 failed rows" in outbox_cli("failed", "list", env=env).stdout
         purged = outbox_cli("failed", "purge", "--all", "--yes", env=env)
-        assert purged.returncode == 0 and "purged 0 row(s)" in purged.stdout
+        assert purged.returncode == 0 and "purged 0 rows" in purged.stdout
     finally:
         relay.kill()
 
@@ -277,7 +319,7 @@ async def test_a_missing_topic_holds_its_rows_without_burning_attempts(
     assert log.count("Kafka topic exists now") == 1, log[-3000:]
 
 
-def test_relay_without_tables_exits_1_with_a_clear_error(
+def test_relay_without_tables_exits_2_with_one_line_before_taking_lanes(
     settings: OutboxSettings, tmp_path: Path
 ) -> None:
     s = settings.model_copy(update={"table_prefix": f"nope{uuid.uuid4().hex[:6]}_"})
@@ -286,9 +328,11 @@ def test_relay_without_tables_exits_1_with_a_clear_error(
         code = relay.proc.wait(30)
     finally:
         relay.kill()
-    assert code == 1
-    assert "outbox db upgrade" in relay.log()
-    assert "outbox:outbox@" not in relay.log()  # no password in any line
+    assert code == 2
+    [line] = [line for line in relay.log().splitlines() if line.strip()]
+    assert line.startswith("error: SchemaMissing: no outbox tables in schema "), line
+    assert "run `outbox db upgrade`" in line
+    assert "outbox:outbox@" not in line  # no password in any line
 
 
 async def test_relay_runs_retention_when_configured(

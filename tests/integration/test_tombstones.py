@@ -21,8 +21,9 @@ from outbox import TOMBSTONE, Outbox
 from outbox.ops.topics import TopicSpec, ensure
 from outbox.settings import OutboxSettings
 from relay import Relay, list_failed, retry_failed
-from relay.cursor import LANE_START
-from relay.store import CE_ID, RelayStore
+from relay.event import CE_ID
+from relay.sources.table.cursor import LANE_START
+from relay.sources.table.store import ClaimStore
 from tests.support.inbox import RunningConsumer, fast_settings, wait_for
 from tests.support.kafka import Record, cleanup_policies, read_all, read_until
 from tests.support.relay import outbox_cli, relay_env
@@ -204,7 +205,7 @@ async def test_a_tombstone_put_back_or_parked_by_the_relay_keeps_its_null_payloa
     # Parked as failed (what a permanent rejection does), listed, retried: still a tombstone.
     with engine.begin() as conn:  # due now (the relay put it back with a re-check delay)
         conn.execute(events.update().values(available_at=func.now()))
-    store = RelayStore(settings)
+    store = ClaimStore.of(settings)
     with psycopg.connect(settings.libpq_dsn) as conn:
         conn.execute(store.fence, {"lanes": list(range(settings.lanes))})
         claimed = conn.execute(

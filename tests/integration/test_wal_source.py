@@ -23,7 +23,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from outbox import TOMBSTONE, Message, Outbox, UnsupportedInWalMode
 from outbox.settings import OutboxSettings
 from outbox.tables import build_tables
-from relay.wal_store import lsn_int
+from relay.sources.wal.store import lsn_int
 from tests.support.kafka import create_topic, free_port, read_all
 from tests.support.relay import (
     RelayProcess,
@@ -437,7 +437,7 @@ async def test_a_missing_topics_events_wait_while_other_topics_flow_then_go_in_o
     tmp_path: Path,
 ) -> None:
     # A topic not created yet (a deployment step forgotten): its events wait in the relay's
-    # memory (relay/wal_held.py), the other topics' keep flowing, and once the operator
+    # memory (relay/sources/wal/held.py), the other topics' keep flowing, and once the operator
     # creates it they go out before the key's later events, with no command to run.
     missing = f"missing-{uuid.uuid4().hex[:8]}"
     present = await new_topic(partitions=2)

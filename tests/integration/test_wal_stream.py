@@ -1,4 +1,4 @@
-"""The WAL source's streaming replication connection (relay/wal_stream.py) on real
+"""The WAL source's streaming replication connection (relay/sources/wal/stream.py) on real
 PostgreSQL and Kafka, the relay and the consumer as CLI subprocesses: the server ending
 the walsender under the relay loses nothing and the inbox applies each event once, in
 order; a standby takes over a SIGKILLed reader's slot; the stream works over a TLS URL;
@@ -229,10 +229,22 @@ def no_replication(settings: OutboxSettings) -> Iterator[OutboxSettings]:
 
 
 def test_a_role_without_replication_exits_2_with_the_sql_to_run(
-    no_replication: OutboxSettings, tmp_path: Path
+    settings: OutboxSettings, no_replication: OutboxSettings, tmp_path: Path
 ) -> None:
     role = make_url(no_replication.database_url.get_secret_value()).username
-    line = _exit_line(RelayProcess(wal_relay_env(no_replication), tmp_path, "norepl"))
+    env = wal_relay_env(no_replication)
+    # Not yet a member of the relay's job role: refused the tables, told where the grants are.
+    line = _exit_line(RelayProcess(env, tmp_path, "nogrants"))
+    assert "PrivilegeMissing" in line and "permission denied" in line, line
+    assert "outbox db sql --roles" in line, line
+    # Its tables granted, still without REPLICATION: the SQL that gives it.
+    with psycopg.connect(settings.libpq_dsn, autocommit=True) as conn:
+        conn.execute(
+            psycopg.sql.SQL(
+                "GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA {} TO {}"
+            ).format(psycopg.sql.Identifier(settings.db_schema), psycopg.sql.Identifier(role))
+        )
+    line = _exit_line(RelayProcess(env, tmp_path, "norepl"))
     assert "WalPrivilegeMissing" in line and "REPLICATION" in line
     assert f'ALTER ROLE "{role}" WITH REPLICATION;' in line
 

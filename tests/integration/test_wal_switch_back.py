@@ -102,7 +102,7 @@ async def test_wait_drained_without_a_reader_gives_up_after_its_timeout(
         outbox_cli, "wal", "wait-drained", "--timeout", "1", env=wal_relay_env(settings)
     )
     assert waited.returncode == 1, waited.stderr
-    assert "not drained after 1 s" in waited.stderr and "is a WAL relay reading it" in waited.stderr
+    assert "not drained after 1s" in waited.stderr and "is a WAL relay reading it" in waited.stderr
     assert "Traceback" not in waited.stderr
 
 

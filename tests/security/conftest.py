@@ -24,7 +24,7 @@ import pytest
 from pydantic import SecretStr
 
 from outbox import migrate
-from outbox.daemon import kafka_environment
+from outbox.kafka.clients import kafka_environment
 from outbox.settings import KafkaSettings, OutboxSettings
 from tests.support.relay import relay_env
 from tests.support.services import Secured

@@ -15,8 +15,8 @@ from aiokafka.admin import NewTopic
 from sqlalchemy import Engine, text
 
 from outbox import Message, Outbox, migrate
-from outbox.daemon import kafka_admin, kafka_consumer, kafka_producer, start_kafka
 from outbox.errors import ConfigurationError, ConnectionRefused
+from outbox.kafka.clients import kafka_admin, kafka_consumer, kafka_producer, start_kafka
 from outbox.ops.kafka_probe import KafkaProbe
 from outbox.settings import KafkaSettings, OutboxSettings
 from tests.security.conftest import Daemon, cli, run_daemon, sasl_ssl, secret, until

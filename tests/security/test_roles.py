@@ -22,8 +22,8 @@ from sqlalchemy import Engine, text
 from sqlalchemy.engine import make_url
 
 from outbox import Message, Outbox, migrate
-from outbox.daemon import kafka_admin
 from outbox.db import sync_engine
+from outbox.kafka.clients import kafka_admin
 from outbox.roles import JOBS, role_names
 from outbox.settings import OutboxSettings
 from tests.security.conftest import Daemon, cli, run_daemon, secret, until
@@ -119,16 +119,17 @@ def test_the_producer_publishes_and_can_do_nothing_else_to_the_outbox(jobs: Jobs
 
 
 def test_the_relay_reads_its_claim_horizon_and_the_vacuum_figures(jobs: Jobs) -> None:
-    """The statements of relay/horizon.py, as the relay's role: the id sequence (granted
-    by the script), pg_locks and the statistics views (no grant needed)."""
-    from relay.store import RelayStore
+    """The statements of relay/sources/table/horizon.py, as the relay's role: the id sequence
+    (granted by the script), pg_locks and the statistics views (no grant needed)."""
+    from relay.sources.table.store import ClaimStore
 
-    store = RelayStore(jobs.owner)
+    store = ClaimStore.of(jobs.owner)
     with psycopg.connect(jobs.as_job["relay"].libpq_dsn, autocommit=True) as conn:
         row = conn.execute(store.last_id).fetchone()
         assert row is not None and row[1] is True
         conn.execute(store.writers).fetchall()
-        assert conn.execute(store.vacuum_stats).fetchone() is not None
+        assert conn.execute(store.dead_rows).fetchone() is not None  # the maintenance watches'
+        conn.execute(store.oldest_snapshot).fetchall()
     assert refused(jobs.as_job["consumer"], store.last_id.as_string(None)) == "42501"
 
 
@@ -138,10 +139,13 @@ async def test_a_relay_without_the_sequence_grant_turns_its_horizon_off(
     """Roles created before this grant existed: the relay says what to grant, once, and
     claims scan their lanes from the start as before (nothing else changes)."""
     from outbox.outages import Dependency
-    from relay.cursor import ClaimCursors
-    from relay.horizon import HorizonWatch
+    from outbox.resilience.retry import RetryPolicy
+    from relay.database import Database
     from relay.metrics import RelayMetrics
-    from relay.store import RelayStore
+    from relay.outage import OutageGuard
+    from relay.sources.table.cursor import ClaimCursors
+    from relay.sources.table.horizon import HorizonWatch
+    from relay.sources.table.store import ClaimStore
 
     with psycopg.connect(jobs.owner.libpq_dsn, autocommit=True) as conn:
         seq = conn.execute("SELECT pg_get_serial_sequence(%s, 'id')", (jobs.events,)).fetchone()
@@ -151,11 +155,12 @@ async def test_a_relay_without_the_sequence_grant_turns_its_horizon_off(
     relay = jobs.as_job["relay"]
     cursors = ClaimCursors()
     watch = HorizonWatch(
-        relay,
-        RelayStore(relay),
+        relay.relay,
+        Database(relay),
+        ClaimStore.of(relay),
         cursors,
         RelayMetrics(),
-        Dependency("database", logging.getLogger()),
+        OutageGuard(Dependency("database", logging.getLogger()), RetryPolicy()),
     )
     caplog.set_level("WARNING", logger="relay.horizon")
     watch._conn = await watch._connect()

@@ -18,6 +18,7 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncSession
 
 import inbox
+from tests.support import diagnostics
 
 NAME = os.environ.get("INBOX_TEST_CONSUMER", "unconfigured")
 TOPIC = os.environ.get("INBOX_TEST_TOPIC", "unconfigured")
@@ -34,6 +35,7 @@ RUNS_FILE = os.environ.get("INBOX_TEST_RUNS_FILE")
 FIXED_FILE = os.environ.get("INBOX_TEST_FIXED_FILE")
 
 app = inbox.Consumer(name=NAME, topics=[TOPIC])
+diagnostics.install()  # INBOX_TEST_GROUP_LOG, INBOX_TEST_TASK_DUMPS
 
 INSERT = text(
     f"INSERT INTO {EFFECTS} (event_id, key, seq) "

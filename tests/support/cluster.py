@@ -91,6 +91,12 @@ class KafkaCluster:
     def start(self, node: int) -> None:
         self.services("cluster-start", str(node))
 
+    def elect_preferred(self) -> None:
+        """Every partition back to its preferred leader: after a fault the returning broker
+        leads nothing until Kafka's imbalance check (every 5 minutes), so the next test's
+        busiest leader would be another broker, one leading no offsets partition."""
+        self.services("cluster-elect")
+
     def heal(self, node: int) -> None:
         """Resume a paused node, start a stopped one (a test's clean-up)."""
         status = self.services("cluster-status")
@@ -113,10 +119,23 @@ class KafkaCluster:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(client.close(), 5)
 
-    async def create_topic(self, name: str, partitions: int) -> None:
+    async def create_topic(
+        self, name: str, partitions: int, configs: dict[str, str] | None = None
+    ) -> None:
         """A topic with replication factor 3 (min.insync.replicas 2, the cluster's)."""
         async with self.admin() as admin:
-            await admin.create_topics([NewTopic(name, partitions, 3)])
+            await admin.create_topics([NewTopic(name, partitions, 3, topic_configs=configs or {})])
+
+    def active_controller(self, topic: str) -> int | None:
+        """The KRaft controller that created ``topic`` (the active one then: only it logs
+        the CreateTopics result); None if no node's log says."""
+        line = f"CreateTopics result(s): CreatableTopic(name='{topic}'"
+        for node in range(1, 4):
+            log = self.state / "cluster" / f"node{node}" / "kafka.log"
+            with contextlib.suppress(OSError):
+                if line in log.read_text(errors="replace"):
+                    return node
+        return None
 
     async def group_on(self, broker: int, tries: int = 60) -> str | None:
         """A consumer group name whose group coordinator is ``broker`` (None if no name

@@ -4,23 +4,35 @@ table (many, fast), the console run as the CLI runs it, and the browser that tes
 from __future__ import annotations
 
 import contextlib
+import datetime as dt
+import os
 import shutil
 import socket
 import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import httpx
-from sqlalchemy import insert
+import pytest
+from playwright.async_api import Browser, Page, async_playwright
+from sqlalchemy import Engine, insert
 
 from outbox.db import sync_engine
 from outbox.settings import OutboxSettings
 from outbox.tables import build_tables
 from tests.support.inbox import ROOT, subprocess_env
 
+# The screenshots of docs/howto/console.md: into .screenshots/console/ (ignored by git) on
+# every run, into docs/assets/console/ with OUTBOX_TEST_SCREENSHOTS=docs, so that a test run
+# leaves the working tree clean and the docs change only when asked to.
+SHOTS = (
+    ROOT / "docs" / "assets" / "console"
+    if os.environ.get("OUTBOX_TEST_SCREENSHOTS") == "docs"
+    else ROOT / ".screenshots" / "console"
+)
 CHROMIUM_CANDIDATES = ("/usr/bin/chromium", "/usr/bin/chromium-browser")
 # What works headless in a container without a GPU or a sandbox (see docs/development.md).
 CHROMIUM_ARGS = [
@@ -40,6 +52,29 @@ def chromium() -> str | None:
         if Path(path).exists():
             return path
     return shutil.which("chromium")
+
+
+@contextlib.asynccontextmanager
+async def chromium_browser() -> AsyncIterator[Browser]:
+    """Debian's headless Chromium driven by playwright (a test fails without it)."""
+    path = chromium()
+    if path is None:
+        pytest.fail(
+            "chromium not found (/usr/bin/chromium): run scripts/bootstrap, or "
+            "apt-get install chromium — the console's browser tests need it",
+            pytrace=False,
+        )
+    async with async_playwright() as p:
+        b = await p.chromium.launch(executable_path=path, args=CHROMIUM_ARGS, headless=True)
+        try:
+            yield b
+        finally:
+            await b.close()
+
+
+async def shot(page: Page, name: str, full: bool = False) -> None:
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    await page.screenshot(path=str(SHOTS / f"{name}.png"), full_page=full)
 
 
 def seed_dead_letters(
@@ -86,6 +121,35 @@ def seed_dead_letters(
     finally:
         engine.dispose()
     return ids
+
+
+def seed_failed_rows(
+    engine: Engine, settings: OutboxSettings, ids: list[int], topic: str, last_error: str
+) -> None:
+    """Rows with these ids in the failed table, as the relay leaves them."""
+    with engine.begin() as conn:
+        conn.execute(
+            insert(build_tables(settings).failed),
+            [
+                {
+                    "id": i,
+                    "event_id": uuid.uuid4(),
+                    "topic": topic,
+                    "key": b"k",
+                    "lane": 0,
+                    "event_type": "invoice.due",
+                    "source": "urn:test",
+                    "content_type": "application/json",
+                    "payload": b"{}",
+                    "fingerprint": b"f",
+                    "headers": {},
+                    "created_at": dt.datetime.now(dt.UTC),
+                    "attempts": 5,
+                    "last_error": last_error,
+                }
+                for i in ids
+            ],
+        )
 
 
 def free_port() -> int:

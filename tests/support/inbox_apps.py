@@ -18,6 +18,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 import inbox
 from inbox import offsets
+from tests.support import diagnostics
 
 NAME = os.environ.get("INBOX_TEST_CONSUMER", "unconfigured")
 TOPIC = os.environ.get("INBOX_TEST_TOPIC", "unconfigured")
@@ -30,6 +31,8 @@ MAX_ATTEMPTS = int(os.environ.get("INBOX_TEST_MAX_ATTEMPTS", "3"))
 FIXED_FILE = os.environ.get("INBOX_TEST_FIXED_FILE")
 
 app = inbox.Consumer(name=NAME, topics=[TOPIC])
+
+diagnostics.install()  # INBOX_TEST_GROUP_LOG, INBOX_TEST_TASK_DUMPS
 
 
 @app.handler("test.event", max_attempts=MAX_ATTEMPTS)

@@ -123,6 +123,7 @@ class Record:
     key: bytes | None
     value: bytes | None  # None: a tombstone
     headers: dict[str, bytes]
+    timestamp: int = -1  # ms since the epoch (the producer's or the broker's clock)
 
 
 async def read_until(
@@ -150,7 +151,9 @@ async def read_until(
             batch = await consumer.getmany(timeout_ms=500, max_records=10_000)
             for msgs in batch.values():
                 for m in msgs:
-                    record = Record(m.topic, m.partition, m.offset, m.key, m.value, dict(m.headers))
+                    record = Record(
+                        m.topic, m.partition, m.offset, m.key, m.value, dict(m.headers), m.timestamp
+                    )
                     records.append(record)
                     finished = done(record) or finished
     finally:

@@ -7,8 +7,11 @@ never skipped.
 
 The secured endpoints of the security tests (Kafka SASL_SSL, PostgreSQL TLS, the test CA
 and certificates) come the same way: the OUTBOX_TEST_* variables in the environment when the
-plain endpoints do, else the export lines of the native `scripts/services up`. Testcontainers
-has none; ``Endpoints.require_secured()`` then fails the test, saying why.
+plain endpoints do — or, when only the plain ones are there (``eval "$(scripts/services
+env)"`` exports no test credential into a shell), the ``scripts/services env --test`` lines
+of the same native services —, else the export lines of the native ``scripts/services up
+--test``. Testcontainers has none; ``Endpoints.require_secured()`` then fails the test,
+saying why.
 """
 
 from __future__ import annotations
@@ -67,7 +70,7 @@ class Secured:
         missing = [var for var in cls.VARS.values() if not values.get(var)]
         if missing:
             return f"{', '.join(missing)} not set"
-        # `export $(scripts/services env | sed 's/export //')` keeps the shell quotes
+        # `export $(scripts/services env --test | sed 's/export //')` keeps the shell quotes
         # that protect the DSN's '&'; take them off the way a shell would.
         got = {name: _unquote(values[var]) for name, var in cls.VARS.items()}
         paths = {
@@ -112,7 +115,8 @@ class Endpoints:
             raise ServiceUnavailable(
                 f"the secured test services (Kafka SASL_SSL, PostgreSQL TLS) are missing "
                 f"({self.how}: {self.secured}); start them with `scripts/services up` and "
-                "take the OUTBOX_TEST_* lines of `scripts/services env` into the environment"
+                "take the OUTBOX_TEST_* lines of `scripts/services env --test` into the "
+                "environment"
             )
         if not _reachable(self.secured.kafka_sasl_ssl):
             raise ServiceUnavailable(
@@ -148,18 +152,39 @@ def _containers() -> Iterator[Endpoints]:
         )
 
 
-def _native() -> Endpoints:
+def _services(*args: str) -> dict[str, str]:
+    """The variables ``scripts/services ARGS`` exports."""
     script = ROOT / "scripts" / "services"
-    proc = subprocess.run([str(script), "up"], capture_output=True, text=True, check=False)
+    proc = subprocess.run([str(script), *args], capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         raise ServiceUnavailable(
-            f"scripts/services up failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}"
+            f"scripts/services {' '.join(args)} failed (exit {proc.returncode}):\n"
+            f"{proc.stderr[-2000:]}"
         )
-    env = dict(
+    return dict(
         shlex.split(line)[1].split("=", 1)
         for line in proc.stdout.splitlines()
         if line.startswith("export ")
     )
+
+
+def _secured_of_the_environment(database_url: str) -> Secured | str:
+    """The OUTBOX_TEST_* variables of the environment, or else, when its database is the
+    native services' own, those services' secured endpoints."""
+    secured = Secured.parse(os.environ)
+    if not isinstance(secured, str):
+        return secured
+    try:
+        native = _services("env", "--test")
+    except ServiceUnavailable:
+        return secured
+    if native.get("OUTBOX_DATABASE_URL") != database_url:
+        return secured  # services of someone else's: their test endpoints are not known
+    return Secured.parse(native)
+
+
+def _native() -> Endpoints:
+    env = _services("up", "--test")
     return Endpoints(
         env["OUTBOX_DATABASE_URL"],
         env["OUTBOX_KAFKA_BOOTSTRAP_SERVERS"],
@@ -184,7 +209,7 @@ def endpoints() -> Iterator[Endpoints]:
     url = os.environ.get("OUTBOX_DATABASE_URL")
     kafka = os.environ.get("OUTBOX_KAFKA_BOOTSTRAP_SERVERS")
     if url and kafka:
-        found = Endpoints(url, kafka, "environment", Secured.parse(os.environ))
+        found = Endpoints(url, kafka, "environment", _secured_of_the_environment(url))
     elif _docker_engine():
         with _containers() as found:
             yield found

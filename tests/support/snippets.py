@@ -37,6 +37,7 @@ RUN = {
         {"pytest.ini", "conftest.py", "test_shipping.py"},
         "tests/acceptance/test_doc_snippets.py",
     ),
+    "docs/howto/type-checking.md": ({"mypy.ini", "service.py"}, "tests/acceptance/test_typing.py"),
 }
 
 

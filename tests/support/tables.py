@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import uuid
+from collections.abc import Iterator
+
+from sqlalchemy import Engine
 
 from outbox import migrate
+from outbox.db import sync_engine
 from outbox.settings import OutboxSettings
 
 
@@ -14,3 +19,13 @@ def own_tables(settings: OutboxSettings, letter: str = "t") -> OutboxSettings:
     own = settings.model_copy(update={"table_prefix": f"{letter}{uuid.uuid4().hex[:8]}_"})
     migrate.upgrade(own)
     return own
+
+
+@contextlib.contextmanager
+def engine_of(settings: OutboxSettings) -> Iterator[Engine]:
+    """A small engine for ``settings``' database, disposed at the end."""
+    engine = sync_engine(settings, pool_size=2)
+    try:
+        yield engine
+    finally:
+        engine.dispose()

@@ -75,7 +75,8 @@ def login_role(settings: OutboxSettings) -> Iterator[OutboxSettings]:
             update={"database_url": SecretStr(url.render_as_string(hide_password=False))}
         )
     finally:
-        with _admin(settings) as conn:
+        with _admin(settings) as conn:  # its grants first: a role with privileges stays
+            conn.execute(psycopg.sql.SQL("DROP OWNED BY {}").format(psycopg.sql.Identifier(role)))
             conn.execute(psycopg.sql.SQL("DROP ROLE {}").format(psycopg.sql.Identifier(role)))
 
 

@@ -1,5 +1,5 @@
 """Declaring batch handlers: what the signature must be, and the typed errors otherwise;
-which calls a transaction makes (``_groups``) and which item an error names (``_pinned``)."""
+which calls a transaction makes (``groups``) and which item an error names (``pinned``)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ from sqlalchemy.orm import Session
 
 import inbox
 from inbox import EventContext, HandlerConfigurationError, InboxEvent, Permanent, Retryable
-from inbox.processor import _groups, _pinned
+from inbox.dispatch import pinned
+from inbox.transaction import groups
 from outbox.errors import ConfigurationError
 
 
@@ -120,10 +121,10 @@ def _event(n: int, event_type: str = "order.created", partition: int = 0) -> Inb
 
 
 class _Routed:
-    """What ``_groups`` asks of a processor: its routing (event type -> handler)."""
+    """What ``groups`` asks of a member's dispatch: its routing (event type -> handler)."""
 
     def __init__(self, a: inbox.Consumer) -> None:
-        self._route = a.handlers.get
+        self.route = a.handlers.get
 
 
 def test_groups_join_consecutive_events_of_a_batch_handler_across_partitions() -> None:
@@ -144,7 +145,7 @@ def test_groups_join_consecutive_events_of_a_batch_handler_across_partitions() -
     members: Any = [(p0, run0), (p1, run1)]
     calls = [
         (h.fn.__name__, [(m, i) for m, i, _, _ in group])
-        for h, group in _groups(members, fresh, unique, 500)
+        for h, group in groups(members, fresh, unique, 500)
     ]
     # The duplicate is left out; the max_batch of 3 cuts the second list.
     assert calls == [
@@ -159,9 +160,9 @@ def test_pinned_finds_the_item_an_error_names() -> None:
     events = [_event(n) for n in range(3)]
     args = [Order(n=n) for n in range(3)]
     contexts = [EventContext.of(e, 1) for e in events]
-    assert _pinned(Permanent("bad", event=args[1]), events, args, None) == 1
-    assert _pinned(Retryable("busy", event=contexts[2]), events, args, contexts) == 2
-    assert _pinned(Permanent("bad", event=_event(0)), events, args, None) == 0  # same id
-    assert _pinned(Permanent("bad"), events, args, None) is None
-    assert _pinned(Permanent("bad", event=Order(n=1)), events, args, None) is None
-    assert _pinned(ValueError("x"), events, args, None) is None
+    assert pinned(Permanent("bad", event=args[1]), events, args, None) == 1
+    assert pinned(Retryable("busy", event=contexts[2]), events, args, contexts) == 2
+    assert pinned(Permanent("bad", event=_event(0)), events, args, None) == 0  # same id
+    assert pinned(Permanent("bad"), events, args, None) is None
+    assert pinned(Permanent("bad", event=Order(n=1)), events, args, None) is None
+    assert pinned(ValueError("x"), events, args, None) is None

@@ -1,10 +1,10 @@
-"""The claim horizon and lane cursors (relay/cursor.py): pure logic, no database."""
+"""The claim horizon and lane cursors (relay/sources/table/cursor.py): pure logic, no database."""
 
 from __future__ import annotations
 
 import random
 
-from relay.cursor import (
+from relay.sources.table.cursor import (
     LANE_START,
     MAX_OPEN_READINGS,
     ClaimCursors,
@@ -77,7 +77,7 @@ def test_the_horizon_never_moves_backwards() -> None:
 def test_a_sequence_going_backwards_forgets_everything() -> None:
     cursors = ClaimCursors()
     cursors.observe(reading(50))
-    plan = cursors.plan([0])
+    plan = cursors.start([0])
     cursors.settle(plan, {0: None}, [])
     assert cursors.known() == {0: 50}
     assert not cursors.observe(reading(3))
@@ -95,7 +95,7 @@ def test_settled_bound() -> None:
 
 def test_no_horizon_no_cursor() -> None:
     cursors = ClaimCursors()
-    plan = cursors.plan([1, 2])
+    plan = cursors.start([1, 2])
     assert plan.after == [LANE_START, LANE_START] and plan.horizon is None
     cursors.settle(plan, {1: None, 2: 5}, [])
     assert cursors.known() == {}
@@ -106,17 +106,17 @@ def test_only_lanes_the_probe_answered_for_move() -> None:
     another transaction may be changing it."""
     cursors = ClaimCursors()
     cursors.observe(reading(1000))
-    plan = cursors.plan([1, 2, 3])
+    plan = cursors.start([1, 2, 3])
     cursors.settle(plan, {1: None, 3: 400}, [(1, 900), (1, 950)])
     assert cursors.known() == {1: 899, 3: 399}
-    assert cursors.plan([1, 2, 3]).after == [899, LANE_START, 399]
+    assert cursors.start([1, 2, 3]).after == [899, LANE_START, 399]
 
 
 def test_cursors_only_move_up_and_a_stale_plan_cannot_lower_them() -> None:
     cursors = ClaimCursors()
     cursors.observe(reading(500))
-    late = cursors.plan([0])  # sent early, with the same horizon
-    cursors.settle(cursors.plan([0]), {0: None}, [])
+    late = cursors.start([0])  # sent early, with the same horizon
+    cursors.settle(cursors.start([0]), {0: None}, [])
     assert cursors.known() == {0: 500}
     cursors.settle(late, {0: 300}, [])
     assert cursors.known() == {0: 500}
@@ -125,21 +125,21 @@ def test_cursors_only_move_up_and_a_stale_plan_cannot_lower_them() -> None:
 def test_stranded_rows_reset_their_lanes_and_in_flight_claims_settle_nothing() -> None:
     cursors = ClaimCursors()
     cursors.observe(reading(1000))
-    cursors.settle(cursors.plan([0, 1, 2]), {0: None, 1: None, 2: None}, [])
+    cursors.settle(cursors.start([0, 1, 2]), {0: None, 1: None, 2: None}, [])
     before = cursors.known()
-    in_flight = cursors.plan([0, 1, 2])
+    in_flight = cursors.start([0, 1, 2])
     # Lane 1 has a pending row at its cursor, lane 2 one above it: only lane 1 is reset.
     assert cursors.stranded(before, {1: 1000, 2: 1001, 7: 3}) == [1]
     assert cursors.known() == {0: 1000, 2: 1000}
     cursors.settle(in_flight, {0: None, 1: None, 2: None}, [])
-    assert cursors.plan([1]).after == [LANE_START]
+    assert cursors.start([1]).after == [LANE_START]
 
 
 def test_only_lanes_behind_the_horizon_are_probed() -> None:
     cursors = ClaimCursors()
-    assert cursors.plan([0, 1]).behind == []  # no horizon yet
+    assert cursors.start([0, 1]).behind == []  # no horizon yet
     cursors.observe(reading(100))
-    cursors.settle(cursors.plan([0]), {0: None}, [])
-    assert cursors.plan([0, 1]).behind == [(1, LANE_START)]
+    cursors.settle(cursors.start([0]), {0: None}, [])
+    assert cursors.start([0, 1]).behind == [(1, LANE_START)]
     cursors.observe(reading(120))
-    assert cursors.plan([0, 1]).behind == [(0, 100), (1, LANE_START)]
+    assert cursors.start([0, 1]).behind == [(0, 100), (1, LANE_START)]

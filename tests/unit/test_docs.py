@@ -122,6 +122,8 @@ _NOT_SETTINGS = {
     "OUTBOX_SERVICES_DIR",
     "OUTBOX_SECURE_KAFKA_PASSWORD",
     "OUTBOX_CONSOLE_TOKEN",  # docker-compose.yml's variable for the console's token
+    "OUTBOX_PG_VERSION",  # scripts/services: PostgreSQL 18 from PyPI instead of Debian's
+    "OUTBOX_PG_PORT",  # scripts/services: the PostgreSQL port
 }
 
 
@@ -399,3 +401,42 @@ def test_the_error_reference_renders_the_sqlstate_table() -> None:
     for code, (_kind, meaning) in SQLSTATES.items():
         assert f"`{code}`" in page and meaning.replace("|", "\\|") in page, code
     assert "<!-- generated: database-errors -->" in (ROOT / "docs/reference/errors.md").read_text()
+
+
+def test_the_documented_dead_letter_states_are_the_codes() -> None:
+    """docs/howto/poison-event.md's table of states is the one `outbox dlq` and the console
+    show (outbox/ops/deadletters.py), and every status the inbox writes has one."""
+    import dataclasses
+
+    from inbox import sql
+    from outbox.ops.deadletters import DEAD_LETTER_STATES, DeadLetter
+
+    page = (DOCS / "howto" / "poison-event.md").read_text()
+    table = page[page.index("| state | meaning |") :].split("\n\n", 1)[0]
+    documented = dict(re.findall(r"^\| `(\w+)` \| (.+) \|$", table, re.M))
+    assert {k: v.replace("`", "") for k, v in documented.items()} == DEAD_LETTER_STATES
+    blank = {f.name: None for f in dataclasses.fields(DeadLetter)}
+    statuses = (sql.DEAD_LETTERED, sql.REPLAYING, sql.PROCESSED, None)
+    states = {DeadLetter(**{**blank, "inbox_status": s}).state for s in statuses}  # type: ignore[arg-type]
+    assert states == set(DEAD_LETTER_STATES)
+    listing = next(c for c in reference.commands() if c.name == "outbox dlq list").help
+    assert all(state in listing for state in DEAD_LETTER_STATES), listing
+
+
+def test_failed_row_retry_is_described_as_the_code_does_it() -> None:
+    """`outbox failed retry` keeps the event id and writes a new outbox row (the test
+    tests/acceptance/test_cli_polish.py checks the rows); every description says so, none
+    says "same id" or "new ids" without saying which id."""
+    help_text = next(c for c in reference.commands() if c.name == "outbox failed retry").help
+    assert "the same event id" in help_text and "new outbox row" in help_text, help_text
+    for page, words in (
+        ("howto/poison-event.md", ("keeps its **event id**", "**new outbox row**")),
+        ("howto/console.md", ("the same event id in a new outbox row",)),
+        ("concepts/claim-cursor.md", ("new row ids (their event ids stay)",)),
+    ):
+        text = " ".join((DOCS / page).read_text().split())
+        assert all(w in text for w in words), (page, words)
+    for page in pages():
+        text = " ".join(page.read_text().split())
+        for vague in ("same id, attempts reset", "outbox with new ids"):
+            assert vague not in text, (_rel(page), vague)

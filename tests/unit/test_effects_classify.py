@@ -13,7 +13,8 @@ import pytest
 
 from outbox.effects import Ambiguous, EffectClass, classify, effect_key, key_for
 from outbox.effects.classify import classifier
-from outbox.effects.ledger import _jsonable, error_record
+from outbox.effects.ledger import error_record
+from outbox.effects.records import jsonable as _jsonable
 from outbox.resilience import HttpStatusError, Permanent, Retryable
 from outbox.resilience.breaker import CircuitOpen
 

@@ -17,12 +17,13 @@ import inbox
 from inbox.envelopes.cloudevents import decode
 from inbox.event import InboxEvent
 from inbox.failures import classify, crashed
-from outbox.daemon import MetadataWatch
 from outbox.errors import InvalidIdentifier
+from outbox.kafka.metadata_watch import MetadataWatch
 from tests.support.records import Rec
 
 if TYPE_CHECKING:
     from inbox.offsets import OffsetCommitter
+    from inbox.processor import PartitionProcessor
     from inbox.runner import ConsumerDaemon
 
 
@@ -66,38 +67,39 @@ def test_decode_makes_odd_header_values_bytes_and_the_last_id_wins() -> None:
     assert decode(Rec(headers=(("ce_id", b"a"), ("ce_id", None), ("ce_type", b"x")))).malformed  # type: ignore[arg-type]
 
 
-def test_fetch_linger_holds_fetches_only_while_records_flow(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    import inbox.linger
+def test_fetch_linger_holds_fetches_only_while_records_flow() -> None:
     from inbox.linger import LINGER_MIN_BYTES, FetchLinger
 
-    # The consumer's fetch settings as outbox.kafka_room reads and changes them (the room
-    # itself is tested against aiokafka in test_kafka_room.py and the canary).
-    wait: dict[object, tuple[int, int] | None] = {}
+    # A consumer's fetch settings as the client interface reads and changes them
+    # (aiokafka's are tested in test_aiokafka_internals.py and the canary).
+    class _Consumer:
+        def __init__(self, wait: tuple[int, int] | None) -> None:
+            self.wait = wait
 
-    def set_wait(consumer: object, min_bytes: int, max_wait_ms: int) -> bool:
-        wait[consumer] = (min_bytes, max_wait_ms)
-        return True
+        def fetch_wait(self) -> tuple[int, int] | None:
+            return self.wait
 
-    monkeypatch.setattr(inbox.linger, "fetch_wait", wait.get)
-    monkeypatch.setattr(inbox.linger, "set_fetch_wait", set_wait)
-    consumer, off, renamed = object(), object(), object()
-    wait.update({consumer: (1, 500), off: (1, 500), renamed: None})
-    linger = FetchLinger(consumer, 5)
+        def set_fetch_wait(self, min_bytes: int, max_wait_ms: int) -> bool:
+            if self.wait is None:
+                return False
+            self.wait = (min_bytes, max_wait_ms)
+            return True
+
+    consumer, off, renamed = _Consumer((1, 500)), _Consumer((1, 500)), _Consumer(None)
+    linger = FetchLinger(consumer, 5)  # type: ignore[arg-type]
     linger.fetched(False)
-    assert wait[consumer] == (1, 500)
+    assert consumer.wait == (1, 500)
     linger.fetched(True)
-    assert wait[consumer] == (LINGER_MIN_BYTES, 5)
+    assert consumer.wait == (LINGER_MIN_BYTES, 5)
     linger.fetched(True)
     linger.fetched(False)  # a quiet spell: the next record is fetched at once
-    assert wait[consumer] == (1, 500)
-    # Off: never touches the consumer; an aiokafka without these settings turns it off.
-    FetchLinger(off, 0).fetched(True)
-    assert wait[off] == (1, 500)
-    lost = FetchLinger(renamed, 5)
+    assert consumer.wait == (1, 500)
+    # Off: never touches the consumer; a client without these settings turns it off.
+    FetchLinger(off, 0).fetched(True)  # type: ignore[arg-type]
+    assert off.wait == (1, 500)
+    lost = FetchLinger(renamed, 5)  # type: ignore[arg-type]
     lost.fetched(True)
-    assert lost.linger_ms == 0 and wait[renamed] is None
+    assert lost.linger_ms == 0 and renamed.wait is None
 
 
 def test_validation_errors_are_permanent_and_never_echo_input() -> None:
@@ -227,16 +229,17 @@ async def test_an_offset_commit_kafka_did_not_take_is_tried_again() -> None:
     # newer one finished meanwhile wins) and go with the next commit, so a restart re-reads
     # no more than what was never committed.
     from aiokafka import TopicPartition
-    from aiokafka.errors import KafkaConnectionError
 
-    class Kafka:
+    from outbox.errors import BrokerUnavailable
+
+    class Kafka:  # the client interface's commit (outbox/kafka/client.py)
         def __init__(self) -> None:
             self.fail = True
             self.committed: list[dict[TopicPartition, int]] = []
 
         async def commit(self, offsets: dict[TopicPartition, int]) -> None:
             if self.fail:
-                raise KafkaConnectionError("coordinator gone")
+                raise BrokerUnavailable("offset commit failed: KafkaConnectionError")
             self.committed.append(dict(offsets))
 
     offsets = _committer()
@@ -326,7 +329,7 @@ def test_a_lane_uses_only_its_host_offers_pauses_and_resumes() -> None:
 
     from aiokafka import TopicPartition
 
-    from inbox.lane import Lane, LaneHost
+    from inbox.lane import Lane, LaneHost, Slots
     from outbox.outages import Dependency
     from outbox.resilience.retry import RetryPolicy
     from outbox.settings import ConsumerSettings
@@ -334,7 +337,7 @@ def test_a_lane_uses_only_its_host_offers_pauses_and_resumes() -> None:
     calls: list[tuple[str, object]] = []
     host = LaneHost(
         config=ConsumerSettings(max_batch_records=2),
-        slots=asyncio.Semaphore(1),
+        slots=Slots(1),
         policy=RetryPolicy(0.1, 1, 3),
         database=Dependency("database", logging.getLogger("t")),
         kafka=Dependency("Kafka", logging.getLogger("t")),
@@ -360,3 +363,112 @@ def test_a_lane_uses_only_its_host_offers_pauses_and_resumes() -> None:
     assert calls[5:] == [("finished", 8)]
     assert lane.events == [] and lane.fetched_bytes == 0 and not lane.paused
     assert host.dependency_of(OSError()) is host.database
+
+
+async def test_slots_are_handed_out_in_turn_and_say_when_one_is_wanted() -> None:
+    from inbox.lane import Slots
+
+    slots = Slots(1)
+    order: list[str] = []
+    assert not slots.in_use() and not slots.wanted()
+
+    async def lane(name: str) -> None:
+        async with slots:
+            order.append(name)
+            await asyncio.sleep(0)
+
+    async with slots:
+        assert slots.in_use() and not slots.wanted()
+        waiters = [asyncio.create_task(lane(n)) for n in "ab"]
+        await asyncio.sleep(0)
+        assert slots.wanted()  # a holder gives its slot back after its transaction
+    await asyncio.gather(*waiters)
+    assert order == ["a", "b"] and not slots.in_use() and not slots.wanted()
+
+
+def _processor(max_batch_records: int) -> PartitionProcessor:
+    """A partition processor whose transactions are a fake that finishes every run."""
+    from inbox.processor import PartitionProcessor
+    from outbox.settings import ConsumerSettings
+
+    processor = PartitionProcessor(
+        app=inbox.Consumer(name="c", topics=["t"]),
+        config=ConsumerSettings(max_batch_records=max_batch_records),
+        store=None,  # type: ignore[arg-type]
+        sessions=None,  # type: ignore[arg-type]
+        connections=None,  # type: ignore[arg-type]
+        sink=None,  # type: ignore[arg-type]
+        policy=None,  # type: ignore[arg-type]
+        metrics=None,  # type: ignore[arg-type]
+        topic="t",
+        partition=0,
+    )
+    processor.marker.known = None  # read: no marker
+
+    async def step(run: list[object], following: object) -> int:
+        return len(run)
+
+    processor._step = step  # type: ignore[assignment,method-assign]
+    return processor
+
+
+async def test_a_lane_with_a_backlog_gives_its_slot_back_after_each_transaction_when_wanted() -> (
+    None
+):
+    # issue 52: a backlogged lane kept its slot for up to 4 x max_batch_records records.
+    events = [SimpleNamespace(offset=o) for o in range(6)]
+
+    def queued(after: int, limit: int) -> list[SimpleNamespace]:
+        return [e for e in events if e.offset > after][:limit]
+
+    assert await _processor(2).process(queued) == 6  # nobody waits: the whole backlog
+    assert await _processor(2).process(queued, lambda: True) == 2  # one transaction
+
+
+async def test_while_lanes_are_behind_only_short_runs_share_the_transaction(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # issue 52: a long run of a lane catching up in the shared transaction held every
+    # caught-up partition's records as long; it goes to its lane's own task instead.
+    import inbox.runner
+    from inbox.runner import SHORT_RUN
+
+    shared: list[list[int]] = []
+
+    async def together(members: list[tuple[object, list[SimpleNamespace]]]) -> None:
+        shared.append([len(run) for _, run in members])
+
+    monkeypatch.setattr(inbox.runner, "process_together", together)
+
+    def lane(name: int, records: int) -> SimpleNamespace:
+        run = [SimpleNamespace(offset=o) for o in range(records)]
+        return SimpleNamespace(
+            tp=name,
+            busy=False,
+            events=run,
+            queued=None,
+            processor=SimpleNamespace(ready_run=lambda _queued: run),
+            wake=asyncio.Event(),
+            settle=lambda: None,
+        )
+
+    daemon = _daemon()
+
+    async def share(*lanes: SimpleNamespace) -> list[int]:
+        for one in lanes:
+            one.busy = False
+            one.wake.clear()
+        daemon._offered = {one.tp: one for one in lanes}
+        before = len(shared)
+        await daemon._share_once()
+        return shared[before] if len(shared) > before else []
+
+    short, long_, longer = lane(1, SHORT_RUN), lane(2, SHORT_RUN + 1), lane(3, SHORT_RUN + 9)
+    # Every partition brings a long run and none is behind (a high steady rate): all share.
+    assert await share(long_, longer) == [SHORT_RUN + 1, SHORT_RUN + 9]
+    # Caught-up partitions beside partitions catching up: the long runs go to own tasks.
+    assert await share(short, long_, longer) == [SHORT_RUN]
+    assert long_.wake.is_set() and longer.wake.is_set() and not short.wake.is_set()
+    async with daemon._slots:  # a lane runs on its own: partitions are behind
+        assert await share(long_, longer) == []
+        assert long_.wake.is_set() and longer.wake.is_set()

@@ -13,16 +13,16 @@ from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.errors import KafkaConnectionError
 from pydantic import SecretStr
 
-from outbox.daemon import (
+from outbox.errors import ConfigurationError
+from outbox.kafka.aiokafka_internals import client_of
+from outbox.kafka.clients import (
     kafka_admin,
     kafka_consumer,
     kafka_options,
     kafka_producer,
     with_client_options,
 )
-from outbox.errors import ConfigurationError
-from outbox.kafka_room import client_of
-from outbox.oauthbearer import TokenUnavailable, token_provider
+from outbox.kafka.oauthbearer import TokenUnavailable, token_provider
 from outbox.settings import OutboxSettings, load_settings
 from tests.support import oauth_tokens
 

@@ -7,8 +7,8 @@ from datetime import UTC, datetime
 
 import pytest
 
-from cli.ops import _lanes, parse_duration
-from outbox.errors import ConfigurationError
+from cli.ops import _lanes
+from cli.params import parse_duration, shown
 from outbox.ops.lag import (
     RATE_WINDOW_SECONDS,
     GroupLag,
@@ -102,13 +102,24 @@ def test_rate_never_negative_after_a_topic_is_recreated() -> None:
      ("1.5h", 5400.0)],
 )  # fmt: skip
 def test_parse_duration(text: str, seconds: float) -> None:
-    assert parse_duration(text, "--x") == seconds
+    assert parse_duration(text) == seconds
 
 
 @pytest.mark.parametrize("text", ["", "soon", "-5m", "5w", "1h30m"])
 def test_parse_duration_rejects(text: str) -> None:
-    with pytest.raises(ConfigurationError, match="not a duration"):
-        parse_duration(text, "--x")
+    with pytest.raises(ValueError, match="not a duration like 90s, 30m, 12h or 30d"):
+        parse_duration(text)
+
+
+def test_durations_are_shown_in_the_largest_unit_that_divides_them() -> None:
+    assert [shown(s) for s in (2_592_000, 43_200, 1800, 90, 1.5, 0)] == [
+        "30d",
+        "12h",
+        "30m",
+        "90s",
+        "1.5s",
+        "0s",
+    ]
 
 
 def test_lane_ranges() -> None:

@@ -13,6 +13,8 @@ import threading
 import pytest
 
 from outbox.logs import JsonFormatter, KeyValueFormatter, setup_logging
+from outbox.settings import StatusSettings
+from outbox.status_line import StatusLine
 
 TIMESTAMP = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z$")
 
@@ -85,3 +87,33 @@ def test_errors_python_would_print_raw_go_through_the_json_handler(
     ]
     assert "RuntimeError: in a thread" in lines[0]["exc"]
     assert "ValueError: in __del__" in lines[1]["exc"]
+
+
+def test_the_status_line_is_info_only_when_a_compared_figure_changed(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    log = logging.getLogger("test.status")
+    caplog.set_level(logging.DEBUG, logger="test.status")
+
+    def levels(mode: str) -> list[str]:
+        caplog.clear()
+        line = StatusLine(
+            log,
+            "x status",
+            StatusSettings(mode=mode),  # type: ignore[arg-type]
+            start={"processed": 0, "age_seconds": 0.0},
+            drifting=["age_seconds"],
+            fields={"consumer": "x"},
+        )
+        for figures in (
+            {"processed": 0, "age_seconds": 1.5},  # only a drifting figure moved
+            {"processed": 2, "age_seconds": 2.5},
+            {"processed": 2, "age_seconds": 3.5},
+            {"processed": 2, "age_seconds": "unknown"},
+        ):
+            line.report(figures)
+        assert all(r.getMessage() == "x status" and r.consumer == "x" for r in caplog.records)
+        return [r.levelname for r in caplog.records]
+
+    assert levels("changed") == ["DEBUG", "INFO", "DEBUG", "DEBUG"]
+    assert levels("always") == ["INFO"] * 4

@@ -11,6 +11,7 @@ from aiokafka import errors as kerr
 from inbox import membership
 from inbox.errors import DuplicateInstanceId
 from outbox import load_settings
+from outbox.kafka.aiokafka_consumer import AioConsumer
 
 
 def test_static_options_only_with_an_instance_id() -> None:
@@ -57,7 +58,8 @@ def _member(monkeypatch: pytest.MonkeyPatch) -> tuple[Any, membership.Membership
     coordinator = SimpleNamespace(generation=1, resets=0)
     coordinator.reset_generation = lambda: setattr(coordinator, "resets", coordinator.resets + 1)
     kafka: Any = SimpleNamespace(_coordinator=coordinator)
-    return kafka, membership.Membership(kafka, "shipping", "shipping-0"), clock
+    consumer = AioConsumer(kafka, load_settings())  # the client interface, on the fake
+    return kafka, membership.Membership(consumer, "shipping", "shipping-0"), clock
 
 
 def test_a_rebalance_is_no_duplicate(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -117,3 +119,14 @@ def test_a_fenced_newcomer_does_not_survive(
 def test_slow_heartbeats_widen_the_newcomer_window() -> None:
     assert membership.newcomer_seconds(3000) == membership.NEWCOMER_SECONDS
     assert membership.newcomer_seconds(10_000) == 30.0
+
+
+def test_the_client_interface_s_group_errors_keep_kafka_s_names() -> None:
+    # outbox/kafka/aiokafka_consumer.py maps a fetch's group errors to GroupError, named.
+    from outbox.errors import GroupError
+
+    fenced = GroupError("KafkaError", str(kerr.KafkaError("FencedInstanceIdError()")))
+    assert membership.is_fenced(fenced)
+    assert not membership.is_fenced(GroupError("UnknownMemberIdError", "UnknownMemberIdError"))
+    refused = GroupError("InvalidSessionTimeoutError", "InvalidSessionTimeoutError")
+    assert membership.session_refused(refused, 45_000, True) is not None

@@ -10,9 +10,10 @@ import psycopg
 import pytest
 from aiokafka import errors as kerr
 
-from outbox.daemon import kafka_refusal, security_refusal
 from outbox.db import describe, unavailable
 from outbox.errors import ConfigurationError, DatabaseRefused, DatabaseUnavailable
+from outbox.kafka.clients import security_refusal
+from outbox.kafka.errors import kafka_refusal
 from outbox.ops.topics import TopicSpec, _merge, parse_spec
 from outbox.outages import Dependency, limit_third_party_logs
 from outbox.settings import OutboxSettings
@@ -71,7 +72,7 @@ async def test_a_broker_that_never_answers_is_not_a_refusal(
     # is retried, not a "wrong protocol" configuration error (exit 2) — the relay's leader
     # watch stopped on it while the broker hung. A protocol mismatch gets the connection
     # closed at once (tests/security/test_kafka_sasl_ssl.py).
-    monkeypatch.setattr("outbox.daemon._PROBE_SECONDS", 0.3)
+    monkeypatch.setattr("outbox.kafka.clients._PROBE_SECONDS", 0.3)
     with socket.socket() as silent:
         silent.bind(("127.0.0.1", 0))
         silent.listen(8)

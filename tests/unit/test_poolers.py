@@ -10,7 +10,7 @@ from outbox.db import _engine_options, connect_options
 from outbox.errors import ConfigurationError, PoolerUnsupported
 from outbox.poolers import SessionProbe, _moved, _pooler_name, refusal
 from outbox.settings import OutboxSettings, load_settings
-from relay.lanes import check_session
+from relay.database import check_session
 
 APP = "postgresql+psycopg://app:app-pw@pooler.example:6432/shop"
 DIRECT = "postgresql+psycopg://relay:relay-pw@db.example:5432/shop"

@@ -1,21 +1,23 @@
-"""Partition stalls and holds (relay/partitions.py): pure bookkeeping, a fake clock."""
+"""Partition stalls and holds (relay/kafka/partitions.py): pure bookkeeping, a fake clock."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import socket
-from types import SimpleNamespace
 
 import pytest
 
-from outbox.settings import OutboxSettings
+from outbox.kafka.aiokafka_client import AioKafkaClients
+from outbox.kafka.client import Broker, PickBroker, ProducerOptions
+from outbox.settings import OutboxSettings, RelaySettings
 from relay.errors import PartitionUnavailable
-from relay.leader_watch import LEADER_PROBE_SECONDS, LeaderWatch
+from relay.kafka.leader_watch import LEADER_PROBE_SECONDS, LeaderWatch
+from relay.kafka.partitions import MAX_DELAY, MIN_DELAY, PartitionHealth
+from relay.kafka.publisher import Publisher
 from relay.metrics import RelayMetrics
-from relay.partitions import MAX_DELAY, MIN_DELAY, PartitionHealth
-from relay.producer_pool import ProducerPool
-from relay.publisher import Publisher
+from relay.sources.table.source import WORDING
+from relay.sources.wal.source import WORDING as WAL_WORDING
 
 TP = ("orders", 3)
 OTHER = ("orders", 4)
@@ -36,7 +38,7 @@ def clock() -> Clock:
 
 @pytest.fixture
 def health(clock: Clock) -> PartitionHealth:
-    return PartitionHealth(RelayMetrics(), clock)
+    return PartitionHealth(RelayMetrics(), WORDING, clock)
 
 
 def said(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
@@ -151,10 +153,10 @@ async def test_when_every_partition_is_unavailable_no_others_keep_flowing(
 async def test_a_wal_relays_stall_line_says_its_events_wait_in_memory(
     clock: Clock, caplog: pytest.LogCaptureFixture
 ) -> None:
-    # The WAL source holds a stalled partition's events in memory (relay/wal_held.py):
+    # The WAL source holds a stalled partition's events in memory (relay/sources/wal/held.py):
     # "rows wait in the outbox" would send an operator to look for them in the table.
     caplog.set_level(logging.WARNING, "relay.kafka")
-    health = PartitionHealth(RelayMetrics(), clock, source="wal")
+    health = PartitionHealth(RelayMetrics(), WAL_WORDING, clock)
     health.stalled(TP, asyncio.get_running_loop().create_future(), leader=1)
     clock.now += 1.5
     health.report({"orders": [3]})
@@ -162,31 +164,40 @@ async def test_a_wal_relays_stall_line_says_its_events_wait_in_memory(
     assert line.getMessage().endswith("leader 1; their events wait in memory")
 
 
-class _Broker:
-    def __init__(self, node: int) -> None:
-        self.nodeId, self.host, self.port = node, "10.0.0.1", 9090 + node
-
-
 class _Running:
     """What the publisher reads of a running producer: its view of the brokers."""
 
     def __init__(self, nodes: list[int]) -> None:
-        brokers = [_Broker(n) for n in nodes]
-        self.client = type("C", (), {"cluster": type("K", (), {"brokers": lambda _: brokers})()})()
+        self._brokers = [Broker(n, "10.0.0.1", 9090 + n) for n in nodes]
+        self.closed = False
+
+    def brokers(self) -> list[Broker]:
+        return self._brokers
+
+    def nodes(self) -> list[int]:
+        return [b.node_id for b in self._brokers]
+
+    async def close(self, flush_within: float, in_flight_within: float) -> None:
+        self.closed = True
+
+
+def _publisher(bootstrap: str = "a:1", clients: object | None = None) -> Publisher:
+    if clients is None:
+        clients = AioKafkaClients(OutboxSettings(kafka_bootstrap_servers=bootstrap))
+    return Publisher(RelaySettings(), 1_048_576, clients, WORDING)  # type: ignore[arg-type]
 
 
 async def test_new_clients_bootstrap_from_brokers_that_answer_and_pick_them() -> None:
     # aiokafka shuffles a bootstrap list, and a hung broker holds a start for a request
     # timeout: once some brokers are known to answer, only they are given.
-    settings = OutboxSettings(kafka_bootstrap_servers="a:1,b:2")
-    publisher = Publisher(settings)
+    publisher = _publisher("a:1,b:2")
     assert publisher.brokers.bootstrap() == "a:1,b:2"  # nothing running yet: the configured list
     running = _Running([1, 2, 3])
     publisher.pool._producers[0] = running  # type: ignore[assignment]
     now = asyncio.get_running_loop().time()
     publisher.brokers.answered = {1: now - 60, 2: now, 3: now}  # broker 1 went quiet long ago
     assert publisher.brokers.bootstrap() == "10.0.0.1:9092,10.0.0.1:9093"
-    assert {publisher.brokers.pick_node(running.client) for _ in range(50)} == {2, 3}
+    assert {publisher.brokers.pick_node(running.nodes()) for _ in range(50)} == {2, 3}
     publisher.brokers.answered = {}  # nobody known to answer: every broker, then the configured
     assert publisher.brokers.bootstrap().split(",") == [
         "10.0.0.1:9091",
@@ -211,16 +222,18 @@ async def test_a_producer_is_in_place_once_its_start_is_done(
     # for the same partitions — never kept, so never closed nor replaced when they stall.
     made: list[object] = []
 
-    def new_producer(self: ProducerPool, bootstrap: str) -> object:
-        made.append(SimpleNamespace(bootstrap=bootstrap))
-        return made[-1]
+    class _Started:
+        async def start(self) -> None:
+            await asyncio.sleep(0)
 
-    async def start_kafka(producer: object, settings: OutboxSettings) -> None:
-        await asyncio.sleep(0)
+    class _Clients:
+        bootstrap = ["a:1"]
 
-    monkeypatch.setattr(ProducerPool, "_new_producer", new_producer)
-    monkeypatch.setattr("relay.producer_pool.start_kafka", start_kafka)
-    publisher = Publisher(OutboxSettings(kafka_bootstrap_servers="a:1"))
+        def producer(self, bootstrap: str, options: ProducerOptions, pick: PickBroker) -> object:
+            made.append(_Started())
+            return made[-1]
+
+    publisher = _publisher(clients=_Clients())
     waiting = asyncio.ensure_future(publisher.pool.start(0))
     await asyncio.sleep(0)  # the start is under way
     in_place: list[object | None] = []
@@ -237,14 +250,14 @@ async def test_when_every_leader_has_a_stalled_partition_the_brokers_that_answer
     # Three brokers, replication factor 3, one hung: every partition waits for it, so every
     # broker leads a stalled partition. Those that answered the leader watch lately are
     # still asked; the hung one is not (it would hold a start for a request timeout).
-    publisher = Publisher(OutboxSettings(kafka_bootstrap_servers="a:1"))
+    publisher = _publisher()
     running = _Running([1, 2, 3])
     publisher.pool._producers[0] = running  # type: ignore[assignment]
     loop = asyncio.get_running_loop()
     for partition, leader in enumerate([1, 2, 3]):
         publisher.health.stalled(("orders", partition), loop.create_future(), leader)
     publisher.brokers.answered = {2: loop.time(), 3: loop.time()}
-    assert {publisher.brokers.pick_node(running.client) for _ in range(50)} == {2, 3}
+    assert {publisher.brokers.pick_node(running.nodes()) for _ in range(50)} == {2, 3}
     assert publisher.brokers.bootstrap() == "10.0.0.1:9092,10.0.0.1:9093"
 
 
@@ -254,13 +267,7 @@ async def test_replacing_a_stalled_batch_s_producer_ends_every_wait_for_kafka(
     # After an outage each pipeline waits for a stalled batch to be answered before it
     # tries Kafka again. A replaced producer's batches are no longer waited for, and may
     # never be answered: the waits end then, not when their backoff runs out.
-    closed: list[object] = []
-
-    async def close(self: ProducerPool, producer: object, within: float, in_flight: float) -> None:
-        closed.append(producer)
-
-    monkeypatch.setattr(ProducerPool, "_close", close)
-    publisher = Publisher(OutboxSettings(kafka_bootstrap_servers="a:1"))
+    publisher = _publisher()
     producer = _Running([1])
     publisher.pool._producers[0] = producer  # type: ignore[assignment]
     batch: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -276,7 +283,7 @@ async def test_replacing_a_stalled_batch_s_producer_ends_every_wait_for_kafka(
     assert await asyncio.wait_for(asyncio.gather(*waits), 1.0) == [True, True]
     assert publisher.health.waiting == [] and publisher.pool._producers[0] is None
     await asyncio.sleep(0)
-    assert closed == [producer]
+    assert producer.closed
 
 
 async def test_the_leader_watch_outlives_a_client_that_cannot_start(
@@ -292,7 +299,7 @@ async def test_the_leader_watch_outlives_a_client_that_cannot_start(
         starts.append(asyncio.get_running_loop().time())
 
     monkeypatch.setattr(LeaderWatch, "client", no_client)
-    publisher = Publisher(OutboxSettings(kafka_bootstrap_servers="a:1"))
+    publisher = _publisher()
     batch: asyncio.Future[None] = asyncio.get_running_loop().create_future()
     publisher.health.stalled(TP, batch, leader=1)
     watch = asyncio.ensure_future(publisher.watch.run())
@@ -310,7 +317,7 @@ async def test_the_leader_watch_s_client_gives_up_on_a_broker_that_never_answers
         silent.bind(("127.0.0.1", 0))
         silent.listen(8)
         host, port = silent.getsockname()
-        publisher = Publisher(OutboxSettings(kafka_bootstrap_servers=f"{host}:{port}"))
+        publisher = _publisher(f"{host}:{port}")
         assert await publisher.watch.client() is None
 
 
@@ -318,7 +325,7 @@ async def test_the_wait_for_kafka_ends_when_rows_of_a_partition_taken_back_are_d
     # Three brokers, one hung: Kafka moves some partitions before others. Those whose
     # producer was replaced have rows put back for a moment; once they are due a claim
     # may send them, while the other partitions are still stalled.
-    publisher = Publisher(OutboxSettings(kafka_bootstrap_servers="a:1"))
+    publisher = _publisher()
     loop = asyncio.get_running_loop()
     stuck: asyncio.Future[None] = loop.create_future()
     publisher.health.stalled(TP, stuck, leader=1)

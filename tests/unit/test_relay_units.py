@@ -9,13 +9,15 @@ import random
 import pytest
 from aiokafka import errors as kerr
 
-from outbox.errors import BrokerUnavailable, TopicMissing
+from outbox.errors import BrokerUnavailable, ProducerBroken, RecordRejected, TopicMissing
+from outbox.kafka.errors import producer_failure
 from outbox.settings import OutboxSettings
-from relay.errors import ProducerBroken, RecordRejected, RecordTooLarge
-from relay.inflight import ByteBudget
-from relay.lanes import rebalance
-from relay.publisher import Outcome, classify
-from relay.store import ID, PAYLOAD, RESTORE_CHUNK_BYTES, RelayStore, namespaces
+from relay.errors import RecordTooLarge
+from relay.event import ID, PAYLOAD
+from relay.kafka.inflight import ByteBudget
+from relay.kafka.outcome import Outcome
+from relay.sources.table.lanes import rebalance
+from relay.store import RESTORE_CHUNK_BYTES, RelayStore, namespaces
 
 
 def test_alone_a_relay_wants_every_lane_free_ones_first() -> None:
@@ -59,8 +61,10 @@ def test_at_share_does_nothing() -> None:
         (TopicMissing("t"), TopicMissing),
     ],
 )
-def test_classify(exc: Exception, kind: type[Exception]) -> None:
-    assert isinstance(classify(exc), kind)
+def test_producer_failures_map_onto_the_framework_s_tree(
+    exc: Exception, kind: type[Exception]
+) -> None:
+    assert isinstance(producer_failure(exc), kind)
 
 
 def test_row_rejections_are_not_transient_but_outages_are() -> None:
@@ -71,8 +75,8 @@ def test_row_rejections_are_not_transient_but_outages_are() -> None:
 
 
 def test_lock_namespaces_are_distinct_positive_and_per_deployment() -> None:
-    a = namespaces(OutboxSettings())
-    b = namespaces(OutboxSettings(table_prefix="other_"))
+    a = namespaces("public", "outbox_")
+    b = namespaces("public", "other_")
     assert len(set(a)) == 3 and all(0 < n < 2**31 for n in a)
     assert set(a).isdisjoint(b)
 
@@ -138,7 +142,7 @@ async def test_a_cancelled_delivery_leaves_no_batch_failure_unread() -> None:
     # "Future exception was never retrieved" for each batch nobody awaited any more.
     import gc
 
-    from relay.publisher import Publisher
+    from outbox.kafka.aiokafka_client import AioProducer
 
     loop = asyncio.get_running_loop()
     unread: list[dict[str, object]] = []
@@ -151,10 +155,9 @@ async def test_a_cancelled_delivery_leaves_no_batch_failure_unread() -> None:
             batches.append(loop.create_future())
             return batches[-1]
 
-    publisher = Publisher(OutboxSettings())
-    publisher.pool._producers[0] = _Producer()  # type: ignore[assignment]
+    producer = AioProducer(_Producer(), OutboxSettings())  # type: ignore[arg-type]
     try:
-        delivery = asyncio.ensure_future(publisher._deliver(("t", 0), [(object(), [0])] * 3))
+        delivery = asyncio.ensure_future(producer.deliver(("t", 0), [object()] * 3))  # type: ignore[list-item]
         await asyncio.sleep(0)  # queued all three, waiting for the first
         assert len(batches) == 3
         delivery.cancel()
@@ -178,7 +181,7 @@ async def test_a_background_task_that_dies_is_logged_at_error_and_fails_health(
     # one that raises used to end unobserved (the leader watch logged at DEBUG).
     import logging
 
-    from outbox.daemon import supervise
+    from outbox.lifecycle import supervise
 
     died: list[str] = []
 
@@ -206,9 +209,10 @@ async def test_a_leader_watch_that_dies_fails_the_relays_health_and_is_not_resta
 ) -> None:
     import logging
 
-    from relay.publisher import Publisher
+    from relay.kafka.publisher import Publisher
+    from relay.sources.table.source import WORDING
 
-    publisher = Publisher(OutboxSettings())
+    publisher = Publisher.from_settings(OutboxSettings(), WORDING)
     starts: list[int] = []
 
     async def broken() -> None:
@@ -232,10 +236,10 @@ async def test_a_leader_watch_that_dies_fails_the_relays_health_and_is_not_resta
 def test_the_status_line_names_the_figures_of_the_source_that_runs() -> None:
     # The WAL source has no outbox rows, lanes or claim snapshots: its status line says how
     # far behind the slot is instead (-1 until the gauges are first read).
-    from relay.metrics import RelayMetrics
+    from relay import Relay
 
-    metrics = RelayMetrics()
-    table, wal = metrics.status("table"), metrics.status("wal")
+    table = Relay(OutboxSettings()).status()
+    wal = Relay(OutboxSettings(source="wal")).status()
     shared = {"published", "moved_to_failed", "kafka_up", "partitions_unavailable"}
     assert shared | {"pending", "oldest_age_seconds", "owned_lanes"} <= set(table)
     assert set(wal) == shared | {
@@ -244,4 +248,24 @@ def test_the_status_line_names_the_figures_of_the_source_that_runs() -> None:
         "wal_slot_status",
         "wal_held_events",
     }
-    assert wal["wal_lag_seconds"] == -1 and "pending" not in wal
+    assert wal["wal_lag_seconds"] == "unknown" and "pending" not in wal
+
+
+def test_status_figures_are_integers_and_unknown_while_the_database_is_down() -> None:
+    from relay.metrics import RelayMetrics
+
+    metrics = RelayMetrics()
+    metrics.pending.set(12)
+    metrics.published.inc(3)
+    metrics.dead_rows.set(40)
+    counts = metrics.status()
+    up, down = metrics.vacuum_status(True), metrics.vacuum_status(False)
+    pending = metrics.measured("outbox_relay_pending_events", True)
+    assert (pending, counts["published"], up["outbox_dead_tuples"]) == (12, 3, 40)
+    assert all(type(counts[k]) is int for k in ("published", "kafka_up", "moved_to_failed"))
+    assert type(pending) is int
+    # A gauge last set before the outage is not a measurement: unknown, never 0 or stale.
+    assert metrics.measured("outbox_relay_pending_events", False) == "unknown"
+    assert down["outbox_dead_tuples"] == down["oldest_snapshot_seconds"] == "unknown"
+    down = metrics.status()
+    assert down["published"] == 3  # what this relay counted itself stays known

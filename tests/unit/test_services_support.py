@@ -1,13 +1,16 @@
-"""How the tests read the secured endpoints of scripts/services (OUTBOX_TEST_* lines)."""
+"""How the tests read the secured endpoints of scripts/services (OUTBOX_TEST_* lines), and
+that `scripts/services env` prints them only when asked (`--test`)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
 from pathlib import Path
 
 import pytest
 from sqlalchemy.engine import make_url
 
-from tests.support.services import Endpoints, Secured, ServiceUnavailable
+from tests.support.services import ROOT, Endpoints, Secured, ServiceUnavailable
 
 DSN = "postgresql+psycopg://u:p@127.0.0.1:5/db?sslmode=verify-full&sslrootcert=/x/ca.pem"
 
@@ -54,3 +57,16 @@ def test_verify_full_points_any_database_url_at_a_ca(tmp_path: Path) -> None:
     url = make_url(secured.verify_full("postgresql+psycopg://u:p@127.0.0.1:5/session_db"))
     assert url.database == "session_db"
     assert dict(url.query) == {"sslmode": "verify-full", "sslrootcert": str(tmp_path / "ca")}
+
+
+def test_services_env_prints_a_users_variables_and_the_test_ones_only_when_asked() -> None:
+    script = str(ROOT / "scripts" / "services")
+    env = {"PATH": os.environ["PATH"], "OUTBOX_SERVICES_DIR": "/nonexistent/services"}
+
+    def names(*args: str) -> list[str]:
+        out = subprocess.run([script, *args], env=env, capture_output=True, text=True, check=True)
+        return [line.split("=", 1)[0].removeprefix("export ") for line in out.stdout.splitlines()]
+
+    assert names("env") == ["OUTBOX_DATABASE_URL", "OUTBOX_KAFKA_BOOTSTRAP_SERVERS"]
+    tested = names("env", "--test")
+    assert tested[:2] == names("env") and set(tested[2:]) == set(Secured.VARS.values())

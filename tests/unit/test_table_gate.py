@@ -1,4 +1,4 @@
-"""relay/table_gate.py: which WAL transactions wait for older outbox-table rows, and when
+"""relay/sources/wal/gate.py: which WAL transactions wait for older outbox-table rows, and when
 the table is asked again (a fake connection returning what the statement would)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from relay.table_gate import TableGate
+from relay.sources.wal.gate import TableGate
 
 T0 = datetime(2026, 11, 27, 8, 0, tzinfo=UTC)
 

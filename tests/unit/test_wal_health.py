@@ -157,7 +157,9 @@ def test_setup_sql_creates_the_publication_before_the_slot_and_is_idempotent() -
     assert len(lines) == 3  # one statement per line: psql -f runs each in its own transaction
     assert "CREATE PUBLICATION" in lines[0] and "duplicate_object" in lines[0]
     assert "pg_create_logical_replication_slot('outbox_relay', 'pgoutput')" in lines[1]
-    assert "WHERE NOT EXISTS" in lines[1]
+    assert "IF NOT EXISTS" in lines[1]
+    # A failover slot where the server has them (17+), decided by the server itself.
+    assert "'pgoutput', false, false, true)" in lines[1] and "170000" in lines[1]
     assert lines[2] == 'ALTER ROLE "billing_relay" WITH REPLICATION;'
     assert "ALTER ROLE" not in "".join(
         x for x in setup_sql(WAL).splitlines() if not x.startswith("--")

@@ -1,4 +1,4 @@
-"""relay/wal_held.py and the WAL streams' out-of-order settling: a stalled partition's
+"""relay/sources/wal/held.py and the WAL streams' out-of-order settling: a stalled partition's
 events queue in order while the others go on (a fake publisher decides when Kafka
 answers)."""
 
@@ -9,18 +9,18 @@ import logging
 
 import pytest
 
+from relay.event import Event as ClaimedRow
+from relay.kafka.planning import key_partition
 from relay.metrics import RelayMetrics
-from relay.planning import key_partition
-from relay.store import ClaimedRow
-from relay.wal_held import WHOLE_TOPIC, HeldPartitions
-from relay.wal_source import _Stream
+from relay.sources.wal.held import WHOLE_TOPIC, HeldPartitions
+from relay.sources.wal.streams import KeyStream as _Stream
 
 PARTS = [0, 1, 2, 3, 4, 5]
 TOPIC = "orders"
 
 
 def row(key: str | None, n: int, size: int = 10) -> ClaimedRow:
-    """The claimed-row layout (relay/store.py): key at 3, payload at 4, ce_id at 5."""
+    """The claimed-row layout (relay/sources/table/store.py): key at 3, payload at 4, ce_id at 5."""
     k = None if key is None else key.encode()
     return (0, 0, TOPIC, k, b"x" * size, f"id-{n}", "t", "s", "ct", "{}", "", 0, b"")
 

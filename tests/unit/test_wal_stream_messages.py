@@ -1,4 +1,4 @@
-"""relay/wal_stream.py's side of the replication protocol, against a fake libpq connection:
+"""relay/sources/wal/stream.py's side of the replication protocol, against a fake libpq connection:
 what each COPY BOTH message becomes, how the end of a stream is reported, and what a
 standby status update carries. (The integration tests stream real slots.)"""
 
@@ -12,7 +12,7 @@ import psycopg
 import pytest
 from psycopg import pq
 
-from relay.wal_stream import WalStream
+from relay.sources.wal.stream import WalStream
 
 
 class _Result:

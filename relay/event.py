@@ -1,0 +1,77 @@
+"""An event on its way to Kafka, whichever source read it: a row the table source claimed,
+or an event the WAL source decoded from a logical-decoding message.
+
+:data:`Event` is one tuple type for both, its fields named by the constants below (the
+claim returns its columns in this order: relay/sources/table/store.py). Events stay plain
+tuples rather than named tuples: a named tuple built per event costs several times a
+tuple's construction (docs/performance/relay.md), work added to every event on the relay's
+hottest paths (the claim's rows come from psycopg as tuples; the WAL decoder builds one per
+event). So code reads an
+event by index with these constants, which the type checker resolves to each field's type.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+# The fields, in order.
+ID: Final = 0  # the outbox row's id; a WAL event gets one only when it moves to failed
+LANE: Final = 1  # its ordering lane (likewise)
+TOPIC: Final = 2
+KEY: Final = 3  # None: keyless
+PAYLOAD: Final = 4  # None: a tombstone
+CE_ID: Final = 5  # the event id (CloudEvents ``id``), as text
+EVENT_TYPE: Final = 6
+SOURCE: Final = 7  # CloudEvents ``source``
+CONTENT_TYPE: Final = 8  # None for a tombstone
+HEADERS: Final = 9  # the user's headers as JSON text ("{}": none)
+CE_TIME: Final = 10  # when it was created, as CloudEvents ``time`` text
+ATTEMPTS: Final = 11  # Kafka refusals so far (the table's column; 0 for a WAL event)
+FINGERPRINT: Final = 12  # the producer's fingerprint (b"" for a WAL event until it fails)
+
+FIELDS: Final = (
+    "id",
+    "lane",
+    "topic",
+    "key",
+    "payload",
+    "event_id",
+    "event_type",
+    "source",
+    "content_type",
+    "headers",
+    "ce_time",
+    "attempts",
+    "fingerprint",
+)
+
+Event = tuple[
+    int, int, str, bytes | None, bytes | None, str, str, str, str | None, str, str, int, bytes
+]
+
+
+def payload_bytes(event: Event) -> int:
+    """An event's payload size, as the claim's byte budget counts it (a tombstone counts 0,
+    in SQL as here)."""
+    payload = event[PAYLOAD]
+    return len(payload) if payload is not None else 0
+
+
+def with_identity(event: Event, id: int, lane: int, fingerprint: bytes) -> Event:
+    """``event`` with the outbox identity a failed-table row needs (a WAL event has none
+    until it fails): a new id, its lane and its fingerprint."""
+    return (
+        id,
+        lane,
+        event[TOPIC],
+        event[KEY],
+        event[PAYLOAD],
+        event[CE_ID],
+        event[EVENT_TYPE],
+        event[SOURCE],
+        event[CONTENT_TYPE],
+        event[HEADERS],
+        event[CE_TIME],
+        event[ATTEMPTS],
+        fingerprint,
+    )
