@@ -38,6 +38,7 @@ from tests.support.cluster import KafkaCluster
 from tests.support.cluster import kafka_cluster as kafka_cluster  # the fixture
 from tests.support.faults import (
     BUSY,
+    MATRIX,
     Outcome,
     Victim,
     crash_and_restart_8s_later,
@@ -54,7 +55,6 @@ pytestmark = [
 FAULTS = {"crash": crash_and_restart_8s_later, "hang": hang_20s}
 # tests.support.batch_apps (a batch handler), or inbox_apps (a per-event handler)
 APP = "inbox_apps" if os.environ.get("OUTBOX_TEST_FAULT_HANDLER") == "app" else "batch_apps"
-MATRIX = bool(os.environ.get("OUTBOX_TEST_FAULT_MATRIX"))
 ROUNDS = range(1, int(os.environ.get("OUTBOX_TEST_FAULT_REPEAT", "1")) + 1)
 
 if MATRIX:

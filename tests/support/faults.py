@@ -59,6 +59,9 @@ RAMP = 3.0
 TARGET = "tests.support.inbox_apps:app"
 ROOT = Path(__file__).resolve().parents[2]
 DUMPS = bool(os.environ.get("OUTBOX_TEST_TASK_DUMPS"))  # see Daemons.dump_tasks
+# OUTBOX_TEST_FAULT_MATRIX=1: every combination the fault tests know (hours of cluster time
+# on this host); by default CI runs the cases that cover each behaviour once.
+MATRIX = bool(os.environ.get("OUTBOX_TEST_FAULT_MATRIX"))
 
 
 @dataclass(frozen=True)

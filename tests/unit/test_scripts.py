@@ -27,5 +27,5 @@ def test_every_test_file_a_script_names_exists(script: str) -> None:
 
 
 def test_a_named_path_is_found() -> None:
-    text = "pytest \\\n  tests/unit/test_gone.py \\\n  --deselect tests/integration/test_x.py::test_y"
+    text = "pytest \\\n  tests/unit/test_gone.py \\\n  --deselect tests/integration/test_x.py::t"
     assert named_paths(text) == ["tests/integration/test_x.py", "tests/unit/test_gone.py"]
