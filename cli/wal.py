@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from logging import WARNING
 
 import typer
@@ -36,6 +36,14 @@ def setup(
         help="With --print-sql: also grant REPLICATION to this login role (the relay's: it "
         "reads and advances the slot).",
     ),
+    producer_roles: list[str] = typer.Option(
+        [],
+        "--producer-role",
+        help="Leave writing WAL events to this role (repeatable: each producer's login or "
+        "group role; the relay's role, the job roles of `outbox db sql --roles` and the "
+        "role running this get it too) and revoke it from PUBLIC, which PostgreSQL grants "
+        "it to: any role that can connect could forge events. Needs a superuser.",
+    ),
     wait_synced: bool = typer.Option(
         False,
         "--wait-synced",
@@ -53,10 +61,11 @@ def setup(
     and exit code 2."""
     settings = settings_of(ctx)
     if print_sql:
-        script = wal_slot.setup_sql(settings, settings.sqlalchemy_url.database, role)
+        database = settings.sqlalchemy_url.database
+        script = wal_slot.setup_sql(settings, database, role, producer_roles)
         out.print(script, highlight=False, markup=False, soft_wrap=True)
         return
-    set_up(settings)
+    set_up(settings, producer_roles)
     if wait_synced:
         _wait_synced(settings, timeout)
 
@@ -108,7 +117,7 @@ def _not_synced(view: wal_failover.StandbyView) -> str:
     return "not synced"
 
 
-def set_up(settings: OutboxSettings) -> None:
+def set_up(settings: OutboxSettings, producers: Sequence[str] = ()) -> None:
     """Run the set-up, report what it did (shared with ``outbox db upgrade``)."""
     wal = settings.wal
     notice(
@@ -117,7 +126,7 @@ def set_up(settings: OutboxSettings) -> None:
     )
     with reported_errors():  # one line on stderr, exit 2
         try:
-            result = wal_slot.ensure(settings, progress=notice)
+            result = wal_slot.ensure(settings, progress=notice, producers=producers)
         except WalSetupError as exc:
             if exc.sql:  # stdout: `outbox wal setup > setup.sql` gives the admin a file
                 out.print(exc.sql, highlight=False, markup=False, soft_wrap=True)
@@ -125,6 +134,14 @@ def set_up(settings: OutboxSettings) -> None:
     if not result.publication_created and not result.slot_created:
         notice("publication and slot exist", style="green")
     _failover_notice(settings, result)
+    if result.emit_public:
+        notice(
+            "any role that can connect may write WAL events (PUBLIC may execute "
+            "pg_logical_emit_message): as a superuser, run `outbox wal setup --producer-role "
+            "<each producer's role>` (docs/howto/roles.md)",
+            style="yellow",
+            level=WARNING,
+        )
     if result.server.max_slot_wal_keep_size < 0:
         notice(
             "max_slot_wal_keep_size is -1 (unbounded): a slot nobody reads keeps WAL on the "

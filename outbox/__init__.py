@@ -31,6 +31,7 @@ from outbox.errors import (
     SchemaMissing,
     TopicMissing,
     UnsupportedInWalMode,
+    WalSlotMissing,
 )
 from outbox.producer import Outbox
 from outbox.settings import OutboxSettings, load_settings
@@ -56,6 +57,7 @@ __all__ = [
     "Tombstone",
     "TopicMissing",
     "UnsupportedInWalMode",
+    "WalSlotMissing",
     "build_tables",
     "canonical_json",
     "idempotency_key",

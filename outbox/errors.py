@@ -270,6 +270,23 @@ class WalSlotUnavailable(WalSetupError):
     command needs it: nothing can be waited for or read from it."""
 
 
+class WalSlotMissing(WalSlotUnavailable):
+    """``publish`` in WAL mode (``source = "wal"``) while the slot the relay reads does not
+    exist in this database, or is lost: a logical slot decodes only WAL written after its
+    creation, so the event could never be read. Nothing was written; raised inside the
+    caller's transaction so that it does not commit (domain rows included) unless the
+    caller catches this and commits anyway."""
+
+    def __init__(self, slot: str) -> None:
+        super().__init__(
+            f"replication slot {slot!r} does not exist in this database or is lost: an event "
+            "published now would never be read, so none was written; run `outbox wal setup` "
+            "(after a lost slot: docs/operations/wal-slot.md), or publish with "
+            "OUTBOX_SOURCE=table"
+        )
+        self.slot = slot
+
+
 class WalRecordInvalid(ConfigurationError):
     """pgoutput sent a record the WAL source cannot parse (not protocol version 1?)."""
 

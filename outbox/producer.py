@@ -18,7 +18,7 @@ from sqlalchemy.orm import Session
 from outbox import envelope, tracing, wal_codec
 from outbox.db import translated_errors
 from outbox.envelope import Message, MessageFields, Row
-from outbox.errors import PayloadMismatch, UnsupportedInWalMode
+from outbox.errors import PayloadMismatch, UnsupportedInWalMode, WalSlotMissing
 from outbox.settings import OutboxSettings
 from outbox.sources import source_of
 from outbox.store import ProducerStore, WalProducerStore
@@ -47,7 +47,7 @@ class Outbox:
         self.tables = build_tables(settings)
         self._store = ProducerStore(self.tables)
         wal = source_of(settings).reads_slot
-        self._wal = WalProducerStore(settings.wal.prefix) if wal else None
+        self._wal = WalProducerStore(settings.wal.prefix, settings.wal.slot) if wal else None
 
     # -- preparation and checks shared by both paths (no I/O) --------------------------
     def _prepare(self, messages: Iterable[Message]) -> list[Row]:
@@ -77,6 +77,13 @@ class Outbox:
             size += n
         contents.append(wal_codec.encode(group))
         return contents
+
+    def _emitted(self, first: object, rows: Sequence[Row]) -> list[uuid.UUID]:
+        """WAL mode: the event ids, or :class:`WalSlotMissing` when the emit returned no
+        row (the slot gate in ``WalProducerStore``: nothing was emitted)."""
+        if first is None:
+            raise WalSlotMissing(self.settings.wal.slot)
+        return [r.event_id for r in rows]
 
     @staticmethod
     def _not_inserted(rows: Sequence[Row], inserted: Iterable[uuid.UUID]) -> list[uuid.UUID]:
@@ -125,7 +132,9 @@ class Outbox:
         With ``source = "wal"`` the events become logical-decoding messages in the same
         transaction instead (docs/howto/wal-source.md): a re-published id is published
         again (the inbox dedupes it; no :class:`PayloadMismatch` check, there is no row to
-        compare with) and ``delay_seconds`` raises :class:`UnsupportedInWalMode`.
+        compare with), ``delay_seconds`` raises :class:`UnsupportedInWalMode`, and so that no
+        event commits that no slot will read, :class:`WalSlotMissing` is raised (nothing
+        written) while ``wal.slot`` does not exist or is lost.
         """
         rows = self._prepare(messages)
         if not rows:
@@ -133,8 +142,8 @@ class Outbox:
         if self._wal is not None:
             emit = self._wal.emit(self._wal_contents(rows))
             with translated_errors():
-                session.execute(*emit)
-            return [r.event_id for r in rows]
+                emitted = session.execute(*emit).first()
+            return self._emitted(emitted, rows)
         with translated_errors():
             result = session.execute(*self._store.insert(rows))
             missing = self._not_inserted(rows, result.scalars())
@@ -166,8 +175,8 @@ class Outbox:
         if self._wal is not None:
             emit = self._wal.emit(self._wal_contents(rows))
             with translated_errors():
-                await session.execute(*emit)
-            return [r.event_id for r in rows]
+                emitted = (await session.execute(*emit)).first()
+            return self._emitted(emitted, rows)
         with translated_errors():
             result = await session.execute(*self._store.insert(rows))
             missing = self._not_inserted(rows, result.scalars())

@@ -29,6 +29,7 @@ from sqlalchemy import (
     literal,
     literal_column,
     select,
+    text,
 )
 from sqlalchemy.dialects.postgresql import ARRAY, JSONB, UUID, insert
 
@@ -158,19 +159,43 @@ class ProducerStore:
         ).where(e.c.event_id.in_(event_ids))
 
 
+# The slot the relay reads, as a filter on the emit: a logical slot decodes only WAL written
+# after its creation, so a message emitted while it does not exist (before `outbox wal
+# setup`, after a drop) or is lost is never read. Uncorrelated, so PostgreSQL evaluates it
+# once, before any message (a one-time filter): with no usable slot the statement returns
+# no row and emits nothing, in the same round trip. invalidation_reason (PostgreSQL 17+)
+# is read through to_jsonb, NULL before 17.
+_SLOT_USABLE = text(
+    "EXISTS (SELECT FROM pg_replication_slots s WHERE s.slot_name = :slot"
+    " AND s.database = current_database() AND s.slot_type = 'logical'"
+    " AND s.wal_status IS DISTINCT FROM 'lost'"
+    " AND to_jsonb(s) ->> 'invalidation_reason' IS NULL)"
+)
+
+
 @dataclass(frozen=True)
 class WalProducerStore:
     """The producer's SQL in WAL mode (``source = "wal"``): transactional logical-decoding
     messages under the configured prefix, written in the caller's transaction and decoded
-    (in commit order) only if it commits."""
+    (in commit order) only if it commits.
+
+    With ``slot`` the messages are emitted only while that slot exists and is usable (the
+    statement then returns a row per message, otherwise none: the caller raises). ``slot``
+    None emits unchecked (the producer benchmark's baseline)."""
 
     prefix: str
+    slot: str | None = None
+
+    def _gated(self, stmt: Select[Any]) -> Select[Any]:
+        return stmt if self.slot is None else stmt.where(_SLOT_USABLE)
 
     @cached_property
     def emit_one(self) -> Select[Any]:
-        return select(
-            func.pg_logical_emit_message(
-                literal(True), literal(self.prefix), bindparam("content", type_=LargeBinary())
+        return self._gated(
+            select(
+                func.pg_logical_emit_message(
+                    literal(True), literal(self.prefix), bindparam("content", type_=LargeBinary())
+                )
             )
         )
 
@@ -182,14 +207,17 @@ class WalProducerStore:
             .render_derived(name="m")
         )
         # One statement for any number of messages, emitted in the given order.
-        return select(
-            func.pg_logical_emit_message(literal(True), literal(self.prefix), contents.c.c)
-        ).order_by(contents.c.ord)
+        return self._gated(
+            select(
+                func.pg_logical_emit_message(literal(True), literal(self.prefix), contents.c.c)
+            ).order_by(contents.c.ord)
+        )
 
     def emit(self, contents: Sequence[bytes]) -> tuple[Select[Any], dict[str, Any]]:
+        params: dict[str, Any] = {} if self.slot is None else {"slot": self.slot}
         if len(contents) == 1:
-            return self.emit_one, {"content": contents[0]}
-        return self.emit_many, {"contents": list(contents)}
+            return self.emit_one, {"content": contents[0], **params}
+        return self.emit_many, {"contents": list(contents), **params}
 
 
 # -- the session probe (outbox/poolers.py): raw psycopg, catalog only --------------------------

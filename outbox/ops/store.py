@@ -204,6 +204,15 @@ WAL_READERS = text(
 
 WAL_PUBLICATION = text("SELECT count(*) > 0 FROM pg_publication WHERE pubname = :name")
 
+# Who may emit logical-decoding messages, i.e. write WAL events (issue 51): each signature
+# of pg_logical_emit_message (three arguments before 17, four from 17) and whether PUBLIC
+# may execute it. PostgreSQL grants it to PUBLIC; function privileges are per database.
+WAL_EMIT_PUBLIC = text(
+    "SELECT coalesce(bool_or(has_function_privilege('public', p.oid, 'EXECUTE')), false)"
+    " FROM pg_proc p WHERE p.proname = 'pg_logical_emit_message'"
+    " AND p.pronamespace = 'pg_catalog'::regnamespace"
+)
+
 # Waits until every transaction that holds an xid now has ended (the slot's consistent
 # point); fails inside a transaction that wrote anything (run it in a transaction alone).
 WAL_CREATE_SLOT = text(

@@ -95,7 +95,27 @@ def findings(state: WalState, settings: OutboxSettings) -> list[Finding]:
         )
     else:
         add("wal_publication", "ok", f"publication {wal.publication} exists")
+    if wal_mode:
+        _emit_privilege(add, state, settings)
     return out
+
+
+def _emit_privilege(add: _Add, state: WalState, settings: OutboxSettings) -> None:
+    """Any role that may connect may write WAL events while PUBLIC may execute
+    ``pg_logical_emit_message`` (outbox/ops/wal_grants.py)."""
+    if not state.emit_public:
+        add("wal_emit", "ok", "only granted roles may write WAL events")
+        return
+    add(
+        "wal_emit",
+        "error",
+        "any role that can connect may write WAL events (PUBLIC may execute "
+        f"pg_logical_emit_message in database {state.server.database}): one that may not "
+        f"INSERT anywhere can forge an event under prefix {settings.wal.prefix!r} and the "
+        "relay publishes it",
+        "as a superuser: `outbox wal setup --producer-role <each producer's role>` (or run "
+        "the SQL of `outbox wal setup --print-sql --producer-role <role>`); docs/howto/roles.md",
+    )
 
 
 def _slot_findings(add: _Add, slot: SlotState, state: WalState, settings: OutboxSettings) -> None:

@@ -25,7 +25,7 @@ import os
 import secrets
 import select
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Literal
@@ -44,12 +44,14 @@ from outbox.errors import (
     WalLevelNotLogical,
     WalPrivilegeMissing,
     WalRecordInvalid,
+    WalSetupError,
     WalSlotMismatch,
 )
 from outbox.ops.store import (
     ALTER_FAILOVER_ON,
     WAL_CREATE_FAILOVER_SLOT,
     WAL_CREATE_SLOT,
+    WAL_EMIT_PUBLIC,
     WAL_PROBE_COPY,
     WAL_PROBE_DROP,
     WAL_PROBE_PEEK,
@@ -58,6 +60,8 @@ from outbox.ops.store import (
     WAL_SETTINGS,
     WAL_SLOT_QUERY,
 )
+from outbox.ops.wal_grants import restrict_comment, restrict_sql
+from outbox.roles import role_names
 from outbox.settings import OutboxSettings
 
 _PREPARER = postgresql.dialect().identifier_preparer  # type: ignore[no-untyped-call]
@@ -147,6 +151,7 @@ class WalState:
     publication_exists: bool
     reading_pids: tuple[int, ...] = ()  # WAL relays holding the reader lock (one, normally)
     standby_pids: tuple[int, ...] = ()  # WAL relays waiting to take over
+    emit_public: bool = False  # PUBLIC may write WAL events (outbox/ops/wal_grants.py)
 
 
 # What setup did about the slot's failover flag (SetupResult.failover).
@@ -163,6 +168,8 @@ class SetupResult:
     # use: could not be turned on (another session streams the slot); unsupported: < 17.
     failover: FailoverStep = "unsupported"
     failover_blocker: str | None = None  # the server's refusal when in use
+    emit_public: bool = True  # PUBLIC may still write WAL events, after the set-up
+    emit_restricted: bool = False  # this set-up revoked it (producer roles were given)
 
 
 def read_server(conn: Connection) -> ServerWal:
@@ -191,7 +198,13 @@ def read_state(conn: Connection, settings: OutboxSettings) -> WalState:
         publication_exists=_publication_exists(conn, settings.wal.publication),
         reading_pids=tuple(int(pid) for pid, reading in relays if reading),
         standby_pids=tuple(int(pid) for pid, reading in relays if not reading),
+        emit_public=emit_public(conn),
     )
+
+
+def emit_public(conn: Connection) -> bool:
+    """Whether PUBLIC may still execute ``pg_logical_emit_message`` in this database."""
+    return bool(conn.execute(WAL_EMIT_PUBLIC).scalar_one())
 
 
 def _publication_exists(conn: Connection, name: str) -> bool:
@@ -199,13 +212,18 @@ def _publication_exists(conn: Connection, name: str) -> bool:
 
 
 def setup_sql(
-    settings: OutboxSettings, database: str | None = None, role: str | None = None
+    settings: OutboxSettings,
+    database: str | None = None,
+    role: str | None = None,
+    producers: Sequence[str] = (),
 ) -> str:
     """The set-up as a script for an administrator (a superuser, or a role with REPLICATION
     and CREATE on the database): idempotent, one statement per transaction (run it with
     ``psql -f``; ``pg_create_logical_replication_slot`` refuses to run in a transaction that
     has written anything). ``role``, when given, is granted REPLICATION: the relay's login
-    role needs it to read and advance the slot (an attribute, not inherited from a group)."""
+    role needs it to read and advance the slot (an attribute, not inherited from a group).
+    ``producers``, when given, become the only roles (with the relay's, the job roles and
+    the runner) that may write WAL events (:func:`emit_restriction`; needs a superuser)."""
     wal = settings.wal
     where = f" in database {database}" if database else ""
     lines = [
@@ -235,13 +253,29 @@ def setup_sql(
         lines.append(f"ALTER ROLE {_ident(role)} WITH REPLICATION;")
     else:
         lines.append("-- ALTER ROLE <relay login role> WITH REPLICATION;")
+    if producers:
+        granted = [*producers, *([role] if role else [])]
+        lines += [restrict_comment(granted), emit_restriction(settings, granted)]
+    else:
+        lines.append(
+            "-- Any role may write WAL events until EXECUTE on pg_logical_emit_message is"
+            " revoked from PUBLIC: `outbox wal setup --print-sql --producer-role <role>`."
+        )
     return "\n".join(lines) + "\n"
+
+
+def emit_restriction(settings: OutboxSettings, roles: Sequence[str]) -> str:
+    """The SQL that leaves writing WAL events to ``roles``, the job roles of ``outbox db sql
+    --roles`` (producer, relay) where they exist and the role running it."""
+    jobs = role_names(settings.table_prefix)
+    return restrict_sql(roles, job_roles=[jobs["producer"], jobs["relay"]])
 
 
 def ensure_on(
     conn: Connection,
     settings: OutboxSettings,
     progress: Callable[[str], None] | None = None,
+    producers: Sequence[str] = (),
 ) -> SetupResult:
     """Create the publication, then the slot, where missing (idempotent, safe to run
     concurrently). ``conn`` must be in autocommit mode: the slot cannot be created in a
@@ -250,7 +284,9 @@ def ensure_on(
     Raises :class:`WalLevelNotLogical`, :class:`WalSlotMismatch` (a slot of that name that
     is not this database's pgoutput slot) or :class:`WalPrivilegeMissing` with the SQL an
     administrator runs instead (``exc.sql``). ``progress`` is told about each object
-    created (and before the slot, whose creation may wait)."""
+    created (and before the slot, whose creation may wait). With ``producers``, writing
+    WAL events is then left to them (:func:`emit_restriction`); refused, that is
+    :class:`WalPrivilegeMissing` too."""
     tell = progress or (lambda _: None)
     server = read_server(conn)
     if server.wal_level != "logical":
@@ -262,7 +298,7 @@ def ensure_on(
     wal = settings.wal
     # The SQL an admin runs: ALTER ROLE only for a role that lacks REPLICATION itself.
     role = None if server.may_replicate else server.user
-    admin = setup_sql(settings, server.database, role)
+    admin = setup_sql(settings, server.database, role, producers)
     slot = _settled_slot(conn, wal.slot, tell)
     _check_slot(slot, wal.slot, server.database)
     publication_created = False
@@ -282,10 +318,20 @@ def ensure_on(
         # again if its creation failed (PostgreSQL then drops the half-made slot).
         slot = _settled_slot(conn, wal.slot, tell)
         _check_slot(slot, wal.slot, server.database)
-    # Steps on a slot that exists (issue 51 adds its own here: privileges, a lost slot).
+    # Steps on a slot that exists.
     failover, blocker = _failover_on(settings, slot, server, tell)
+    if producers:
+        _restrict_emit(conn, emit_restriction(settings, producers), server, admin)
+        tell(f"writing WAL events left to {', '.join(producers)} (revoked from PUBLIC)")
     return SetupResult(
-        publication_created, slot_lsn is not None, slot_lsn, server, failover, blocker
+        publication_created,
+        slot_lsn is not None,
+        slot_lsn,
+        server,
+        failover,
+        blocker,
+        emit_public=emit_public(conn),
+        emit_restricted=bool(producers),
     )
 
 
@@ -379,12 +425,16 @@ def _settled_slot(conn: Connection, name: str, tell: Callable[[str], None]) -> S
 _CREATION_POLL_S = 0.1
 
 
-def ensure(settings: OutboxSettings, progress: Callable[[str], None] | None = None) -> SetupResult:
+def ensure(
+    settings: OutboxSettings,
+    progress: Callable[[str], None] | None = None,
+    producers: Sequence[str] = (),
+) -> SetupResult:
     """:func:`ensure_on` over a connection of its own to ``settings.database_url``."""
     engine = sync_engine(settings, pool_pre_ping=False, isolation_level="AUTOCOMMIT")
     try:
         with translated_errors(), engine.connect() as conn:
-            return ensure_on(conn, settings, progress)
+            return ensure_on(conn, settings, progress, producers)
     finally:
         engine.dispose()
 
@@ -403,6 +453,29 @@ def _create(
             return None
         if isinstance(exc.orig, psycopg.errors.InsufficientPrivilege):
             raise _refused(exc, denied, admin) from exc
+        raise
+
+
+def _restrict_emit(conn: Connection, sql: str, server: ServerWal, admin: str) -> None:
+    """Run :func:`emit_restriction`'s block (through the driver as it is: its ``format``
+    strings hold ``%s``). Only a superuser may (the function's owner is the bootstrap
+    superuser): a refusal is :class:`WalPrivilegeMissing` with the SQL."""
+    try:
+        conn.exec_driver_sql(sql)
+    except DBAPIError as exc:
+        if isinstance(exc.orig, psycopg.errors.InsufficientPrivilege):
+            denied = (
+                f"role {server.user} may not revoke EXECUTE on pg_logical_emit_message from "
+                "PUBLIC (only a superuser may)"
+            )
+            raise _refused(exc, denied, admin) from exc
+        if isinstance(exc.orig, psycopg.errors.UndefinedObject):  # a misspelt --producer-role
+            sqlstate, message, _ = describe(exc)
+            raise WalSetupError(
+                f"{message} [SQLSTATE {sqlstate}]: name an existing role with --producer-role "
+                "(nothing was revoked)",
+                sqlstate=sqlstate,
+            ) from exc
         raise
 
 

@@ -34,7 +34,7 @@ import pytest
 from pydantic import SecretStr
 from sqlalchemy import Engine, text
 
-from outbox import migrate
+from outbox import WalSlotMissing, migrate
 from outbox.db import sync_engine
 from outbox.settings import OutboxSettings
 from tests.acceptance.conftest import ROOT, Cli, Daemons, relay_and_consumer
@@ -196,6 +196,9 @@ async def _relay_stops(s: Stream, label: str) -> str:
     assert s.daemons is not None
     relay = s.daemons.procs["relay"]
     code = await asyncio.to_thread(relay.wait, 60)
+    # The producer fails closed on the new primary (no slot there: issue 51): refused with
+    # WalSlotMissing, not committed for no slot to read.
+    refused = await _refused(s.producer, 20)
     s.producer.finish()
     log = s.log("relay")
     lines = [line for line in log.splitlines() if "may be lost" in line]
@@ -207,7 +210,18 @@ async def _relay_stops(s: Stream, label: str) -> str:
     assert "since LSN " in line and "(its confirmed LSN is unknown)" not in line, line
     assert "Traceback" not in log
     assert s.daemons.procs["consumer"].poll() is None, s.dump()
+    assert refused, f"no WalSlotMissing after the failover: {s.producer.errors[-5:]}"
     return line
+
+
+async def _refused(producer: SteadyProducer, seconds: float) -> bool:
+    """Whether the producer was refused with WalSlotMissing (waiting up to ``seconds``)."""
+    deadline = time.monotonic() + seconds
+    while not any(isinstance(e, WalSlotMissing) for e in producer.errors):
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(0.2)
+    return True
 
 
 def _levels(found: dict[str, list[dict[str, Any]]], check: str) -> list[str]:

@@ -18,7 +18,7 @@ from outbox.ops.wal_slot import READER_APPLICATION as READER
 from outbox.settings import OutboxSettings
 from tests.acceptance.conftest import Cli, SchemaFactory
 from tests.acceptance.test_wal_setup_cli import wal_cli
-from tests.support.wal_slots import wal_names
+from tests.support.wal_slots import public_emit_restored, wal_names
 
 pytestmark = pytest.mark.acceptance
 
@@ -63,9 +63,19 @@ def test_doctor_reports_a_missing_slot_and_publication_then_a_set_up_one(
     assert "does not exist" in missing["wal_slot"]["what"]
     assert "outbox wal setup" in missing["wal_slot"]["action"]
     assert missing["wal_publication"]["level"] == "error"
+    # PostgreSQL's default: PUBLIC may emit logical messages, i.e. forge WAL events.
+    assert missing["wal_emit"]["level"] == "error"
+    assert "--producer-role" in missing["wal_emit"]["action"]
 
-    assert cli("wal", "setup").returncode == 0
+    with public_emit_restored(ws):
+        user = make_url(ws.database_url.get_secret_value()).username or ""
+        assert cli("wal", "setup", "--producer-role", user).returncode == 0
+        _set_up_one_passes(cli, ws)
+
+
+def _set_up_one_passes(cli: Cli, ws: OutboxSettings) -> None:
     ready = wal_findings(cli.json("doctor", "--no-kafka"))
+    assert ready["wal_emit"]["level"] == "ok"
     assert ready["wal_slot"]["level"] == "ok"
     assert ready["wal_slot"]["details"]["wal_status"] == "reserved"
     assert ready["wal_publication"]["level"] == "ok"

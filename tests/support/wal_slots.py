@@ -48,3 +48,20 @@ def wal_names(settings: OutboxSettings) -> Iterator[OutboxSettings]:
         yield s
     finally:
         drop_wal(s)
+
+
+@contextmanager
+def public_emit_restored(settings: OutboxSettings) -> Iterator[None]:
+    """Give PUBLIC back EXECUTE on pg_logical_emit_message afterwards (PostgreSQL's default),
+    for a test that restricts it (``outbox wal setup --producer-role``): the test database
+    is shared, and later tests' roles must find the default."""
+    try:
+        yield
+    finally:
+        with psycopg.connect(settings.libpq_dsn, autocommit=True) as conn:
+            conn.execute(
+                "DO $$ DECLARE f regprocedure; BEGIN FOR f IN SELECT p.oid::regprocedure"
+                " FROM pg_proc p WHERE p.proname = 'pg_logical_emit_message'"
+                " AND p.pronamespace = 'pg_catalog'::regnamespace LOOP"
+                " EXECUTE format('GRANT EXECUTE ON FUNCTION %s TO PUBLIC', f); END LOOP; END $$"
+            )

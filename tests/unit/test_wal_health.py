@@ -177,8 +177,9 @@ def test_commit_time_reads_pgoutputs_begin_message() -> None:
 
 def test_the_operations_page_shows_the_admin_sql_as_printed() -> None:
     page = Path(__file__).resolve().parents[2] / "docs" / "operations" / "wal-slot.md"
-    printed = setup_sql(OutboxSettings(), "app", "billing_relay")
-    assert f"$ outbox wal setup --print-sql --role billing_relay\n{printed}```" in page.read_text()
+    printed = setup_sql(OutboxSettings(), "app", "billing_relay", ["billing_app"])
+    command = "$ outbox wal setup --print-sql --role billing_relay --producer-role billing_app"
+    assert f"{command}\n{printed}```" in page.read_text()
 
 
 def test_doctor_says_whether_a_relay_reads_the_slot() -> None:
@@ -188,3 +189,27 @@ def test_doctor_says_whether_a_relay_reads_the_slot() -> None:
     assert reading["wal_reader"][:2] == ("ok", "relay pid 40 reads the slot; 2 standing by")
     assert "wal_reader" not in by_check(state(), OutboxSettings(source="table"))
     assert "wal_reader" not in by_check(state(slot=None))  # the missing slot is the error
+
+
+def test_public_may_emit_is_an_error_in_wal_mode_only() -> None:
+    open_door = replace(state(), emit_public=True)
+    level, what, action = by_check(open_door)["wal_emit"]
+    assert level == "error" and "forge" in what and "--producer-role" in action
+    assert by_check(state())["wal_emit"][0] == "ok"
+    table = OutboxSettings(source="table")
+    assert "wal_emit" not in by_check(open_door, table)
+
+
+def test_the_setup_sql_restricts_emitting_only_when_producer_roles_are_given() -> None:
+    plain = setup_sql(WAL, "app", "billing_relay")
+    assert "FROM PUBLIC" not in plain and "--producer-role" in plain
+    script = setup_sql(WAL, "app", "billing_relay", ["billing_app", "o'dd"])
+    [block] = [line for line in script.splitlines() if "FROM PUBLIC" in line]
+    # Named roles unconditionally (a misspelt one fails the block), the job roles if they
+    # exist, the runner, then the revoke: all in one loop over every signature.
+    assert block.index("'billing_app'") < block.index("'o''dd'") < block.index("current_user")
+    assert "'billing_relay'" in block
+    assert "IF EXISTS (SELECT FROM pg_roles WHERE rolname = 'outbox_producer')" in block
+    assert "rolname = 'outbox_relay'" in block
+    assert block.index("current_user") < block.index("REVOKE")
+    assert block.startswith("DO $$") and block.endswith("END $$;")
