@@ -12,7 +12,10 @@ event by index with these constants, which the type checker resolves to each fie
 
 from __future__ import annotations
 
+import json
 from typing import Final
+
+from outbox.text import storable, unstorable
 
 # The fields, in order.
 ID: Final = 0  # the outbox row's id; a WAL event gets one only when it moves to failed
@@ -75,3 +78,47 @@ def with_identity(event: Event, id: int, lane: int, fingerprint: bytes) -> Event
         event[ATTEMPTS],
         fingerprint,
     )
+
+
+def storable_event(event: Event) -> tuple[Event, bool]:
+    """``event`` with what PostgreSQL's ``text`` and ``jsonb`` refuse escaped (``\\x00`` for a
+    NUL, as outbox/text.py does), and whether anything was: for the failed table, which
+    must take any event Kafka refused. A table-source event came out of those columns; a
+    WAL event was decoded from bytes, which a producer writing the message itself (not
+    through ``publish``, which refuses a NUL) may fill with anything. Not reversible: the
+    failed row keeps the escaped text (its payload and key are bytes, kept exactly)."""
+    fields = (event[TOPIC], event[EVENT_TYPE], event[SOURCE], event[CONTENT_TYPE] or "")
+    headers = event[HEADERS]
+    clean_headers = unstorable(headers, "headers") is None and "\\u0000" not in headers
+    if clean_headers and all(unstorable(f, "") is None for f in fields):
+        return event, False
+    if not clean_headers:
+        # JSON text: escape inside the parsed names and values (a "\u0000" escape is as
+        # unstorable to jsonb as the character), never in the JSON syntax itself.
+        try:
+            parsed = json.loads(headers)
+        except ValueError:
+            parsed = None
+        if isinstance(parsed, dict):
+            headers = json.dumps(
+                {storable(k): storable(v) if isinstance(v, str) else v for k, v in parsed.items()},
+                ensure_ascii=False,
+            )
+        else:  # not the JSON object publish writes: kept as one JSON string
+            headers = json.dumps(storable(headers), ensure_ascii=False)
+    content_type = event[CONTENT_TYPE]
+    return (
+        event[ID],
+        event[LANE],
+        storable(event[TOPIC]),
+        event[KEY],
+        event[PAYLOAD],
+        event[CE_ID],
+        storable(event[EVENT_TYPE]),
+        storable(event[SOURCE]),
+        None if content_type is None else storable(content_type),
+        headers,
+        event[CE_TIME],
+        event[ATTEMPTS],
+        event[FINGERPRINT],
+    ), True

@@ -20,7 +20,16 @@ from outbox.errors import RecordRejected, TopicMissing
 from outbox.settings import RelaySettings
 from relay.database import Connection
 from relay.errors import PartitionUnavailable
-from relay.event import CE_ID, EVENT_TYPE, KEY, PAYLOAD, TOPIC, Event, with_identity
+from relay.event import (
+    CE_ID,
+    EVENT_TYPE,
+    KEY,
+    PAYLOAD,
+    TOPIC,
+    Event,
+    storable_event,
+    with_identity,
+)
 from relay.failed import report_moved
 from relay.kafka.outcome import Outcome
 from relay.kafka.publisher import Publisher
@@ -206,18 +215,21 @@ class Settler:
         conn = await self._side()
         cur = await conn.execute(self._store.new_ids, {"n": len(dead)})
         ids = [int(r[0]) for r in await cur.fetchall()]
-        rows = [
-            with_identity(
-                row,
-                new_id,
-                envelope.lane_for(row[KEY], uuid.UUID(row[CE_ID]), self._lanes),
-                envelope.fingerprint(row[TOPIC], row[KEY], row[EVENT_TYPE], row[PAYLOAD]),
+        rows, errors = [], []
+        for new_id, (row, _, error) in zip(ids, dead, strict=True):
+            # A NUL in a decoded event's text would make this INSERT fail on every start
+            # (a crash loop with the slot pinned): escaped, and said so in last_error.
+            kept, escaped = storable_event(row)
+            errors.append(f"{error} (text PostgreSQL cannot store escaped)" if escaped else error)
+            rows.append(
+                with_identity(
+                    kept,
+                    new_id,
+                    envelope.lane_for(row[KEY], uuid.UUID(row[CE_ID]), self._lanes),
+                    envelope.fingerprint(row[TOPIC], row[KEY], row[EVENT_TYPE], row[PAYLOAD]),
+                )
             )
-            for new_id, (row, _, _) in zip(ids, dead, strict=True)
-        ]
         store = self._relay_store
-        for params in store.restore_chunks(
-            rows, [d[1] for d in dead], [d[2] for d in dead], [0.0] * len(dead)
-        ):
+        for params in store.restore_chunks(rows, [d[1] for d in dead], errors, [0.0] * len(dead)):
             await conn.execute(store.move_to_failed, params)
         report_moved(dead, self._metrics)
