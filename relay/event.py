@@ -13,6 +13,7 @@ event by index with these constants, which the type checker resolves to each fie
 from __future__ import annotations
 
 import json
+import uuid
 from typing import Final
 
 from outbox.text import storable, unstorable
@@ -122,3 +123,34 @@ def storable_event(event: Event) -> tuple[Event, bool]:
         event[ATTEMPTS],
         event[FINGERPRINT],
     ), True
+
+
+# A WAL message under the outbox prefix that does not decode, kept in the failed table as
+# an event of its own (relay/sources/wal/settling.py): its whole content is the payload, and
+# these mark it (no Kafka topic may hold parentheses or spaces, so none is confused with
+# one). `outbox failed retry` emits such a row's payload again as it is (relay/failed.py).
+QUARANTINE_TOPIC: Final = "(undecodable WAL message)"
+QUARANTINE_TYPE: Final = "outbox.wal.undecodable"
+QUARANTINE_CONTENT_TYPE: Final = "application/vnd.outbox.wal-message"
+
+
+def quarantined(content: bytes, lsn: str, ce_time: str) -> Event:
+    """The event that keeps an undecodable message at ``lsn``: its id derived from the LSN,
+    so that the message read again (after a restart before the slot moved past it) updates
+    the same row."""
+    event_id = uuid.uuid5(uuid.NAMESPACE_URL, f"outbox-wal-message:{lsn}")
+    return (
+        0,
+        0,
+        QUARANTINE_TOPIC,
+        None,
+        content,
+        str(event_id),
+        QUARANTINE_TYPE,
+        f"wal:{lsn}",
+        QUARANTINE_CONTENT_TYPE,
+        "{}",
+        ce_time,
+        0,
+        b"",
+    )

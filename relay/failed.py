@@ -21,7 +21,7 @@ from outbox.db import unavailable
 from outbox.envelope import Row
 from outbox.settings import OutboxSettings
 from outbox.sources import source_of
-from relay.event import CE_ID, TOPIC, Event
+from relay.event import CE_ID, QUARANTINE_CONTENT_TYPE, TOPIC, Event
 from relay.metrics import RelayMetrics
 from relay.outage import missing_table
 from relay.sources.wal.store import WalStore
@@ -97,8 +97,12 @@ def _retry_into_wal(settings: OutboxSettings, ids: list[int] | None) -> list[int
         taken = conn.execute(store.failed_take, {"ids": ids}).fetchall()
         if not taken:
             return []
-        rows = [
-            Row(
+        contents = []
+        for _, event_id, topic, key, event_type, source, content_type, payload, headers in taken:
+            if content_type == QUARANTINE_CONTENT_TYPE:  # an undecodable message: as it was
+                contents.append(bytes(payload))  # type: ignore[call-overload]
+                continue
+            row = Row(
                 event_id=uuid.UUID(str(event_id)),
                 topic=str(topic),
                 key=None if key is None else bytes(key),  # type: ignore[call-overload]
@@ -111,9 +115,7 @@ def _retry_into_wal(settings: OutboxSettings, ids: list[int] | None) -> list[int
                 fingerprint=b"",
                 delay_seconds=0.0,
             )
-            for _, event_id, topic, key, event_type, source, content_type, payload, headers in taken
-        ]
-        contents = [wal_codec.encode([row]) for row in rows]
+            contents.append(wal_codec.encode([row]))
         conn.execute(store.emit, {"prefix": settings.wal.prefix, "contents": contents})
     return sorted(int(r[0]) for r in taken)  # type: ignore[call-overload]
 

@@ -33,6 +33,7 @@ from relay.event import (
     KEY,
     LANE,
     PAYLOAD,
+    QUARANTINE_CONTENT_TYPE,
     SOURCE,
     TOPIC,
     Event,
@@ -232,18 +233,25 @@ class RelayStore:
 
         They get new ids, in the order of their old ones: they join the head of their lane
         like any new row, so no claim cursor can have passed them (relay/sources/table/cursor.py).
-        Returns the failed-table ids that went back.
+        Returns the failed-table ids that went back. An undecodable WAL message kept there
+        (relay/event.py ``QUARANTINE_CONTENT_TYPE``) stays: it is no outbox row, and only the
+        WAL source's retry can emit it again.
         """
         return sql.SQL(
             "WITH moved AS (DELETE FROM {failed}"
-            " WHERE %(ids)s::int8[] IS NULL OR id = ANY(%(ids)s::int8[]) RETURNING *),"
+            " WHERE (%(ids)s::int8[] IS NULL OR id = ANY(%(ids)s::int8[]))"
+            " AND content_type IS DISTINCT FROM {quarantined} RETURNING *),"
             " back AS (INSERT INTO {events} (event_id, topic, key, lane, event_type, source,"
             " content_type, payload, headers, fingerprint, created_at)"
             " SELECT event_id, topic, key, lane, event_type, source, content_type, payload,"
             " headers, fingerprint, created_at FROM moved ORDER BY id"
             " ON CONFLICT DO NOTHING RETURNING event_id)"
             " SELECT m.id FROM moved m JOIN back b USING (event_id)"
-        ).format(failed=self._failed, events=self._events)
+        ).format(
+            failed=self._failed,
+            events=self._events,
+            quarantined=sql.Literal(QUARANTINE_CONTENT_TYPE),
+        )
 
     @cached_property
     def failed_purge(self) -> sql.Composed:

@@ -49,8 +49,9 @@ MARK_SECONDS = 0.05
 
 
 def _unreadable(exc: wal_codec.WalMessageInvalid, lsn: int) -> wal_codec.WalMessageInvalid:
-    """An outbox message that cannot be read stops the relay with where it is (the slot
-    stays before it: skipping it would lose its events)."""
+    """A message of an encoding version this relay does not know stops it with where it is
+    (the slot stays before it: skipping it would lose its events; a newer relay reads it).
+    Any other undecodable message is quarantined instead (Settler.quarantine)."""
     return wal_codec.WalMessageInvalid(
         f"{exc} (message at LSN {lsn_text(lsn)}; to skip it and lose what it carries, "
         "advance the slot past its transaction with pg_replication_slot_advance)"
@@ -260,8 +261,14 @@ class Reader:
                                 stream.bytes += len(payload)
                             if len(stream.rows) >= batch_size or stream.bytes >= batch_bytes:
                                 await self._hand_over(stream, ws, streams, marks)
-                    except wal_codec.WalMessageInvalid as exc:
+                    except wal_codec.WalVersionUnknown as exc:
+                        # A newer producer's encoding: upgrade the relay, skip nothing.
                         raise _unreadable(exc, msg.lsn) from None
+                    except wal_codec.WalMessageInvalid as exc:
+                        # Events decoded before the fault are on their way; the whole
+                        # content is kept (a retry of it duplicates them: the inbox dedupes).
+                        content = bytes(msg.content)
+                        await self._settler.quarantine(content, msg.lsn, ce_time, str(exc))
                 elif kind == begin_kind:
                     begin = pgoutput.begin(item)
                     in_txn, gated = True, False

@@ -11,6 +11,7 @@ is tried one event at a time from then on, so only that one fails.
 from __future__ import annotations
 
 import asyncio
+import logging
 import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -27,6 +28,7 @@ from relay.event import (
     PAYLOAD,
     TOPIC,
     Event,
+    quarantined,
     storable_event,
     with_identity,
 )
@@ -36,11 +38,13 @@ from relay.kafka.publisher import Publisher
 from relay.kafka.state import KafkaState
 from relay.metrics import RelayMetrics
 from relay.sources.wal.held import WHOLE_TOPIC, HeldPartitions
-from relay.sources.wal.store import WalStore
+from relay.sources.wal.store import WalStore, lsn_text
 from relay.sources.wal.streams import KeyStream, Wake
 from relay.store import RelayStore
 from relay.verdict import Verdicts
 from relay.waiting import sleep_unless
+
+log = logging.getLogger("relay.wal")
 
 # The autocommit connection of the failed table (and of the table check when switching).
 SideConnection = Callable[[], Awaitable[Connection]]
@@ -209,7 +213,31 @@ class Settler:
         # them), so only a publish that failed as a whole says Kafka is down.
         self._kafka.record(outcome, rows, seconds, self._metrics, quiet=False)
 
+    async def quarantine(self, content: bytes, lsn: int, ce_time: str, reason: str) -> None:
+        """An outbox message that does not decode (garbled, truncated, or written by
+        something else under the prefix): kept in the failed table, its bytes as the
+        payload, committed before the slot may move past it (the reader awaits this before
+        it reads on), and the stream goes on. Stopping instead would stop every event
+        behind it on every start until someone advanced the slot by hand, losing whatever
+        the message carried."""
+        at = lsn_text(lsn)
+        error = (
+            f"undecodable WAL message at LSN {at}: {reason}; its bytes are the payload: "
+            "`outbox failed retry` emits them again as they are (once what wrote them is "
+            "fixed, or the relay upgraded), `outbox failed purge` discards them"
+        )
+        await self._insert_failed([(quarantined(content, at, ce_time), 0, error)])
+        log.error(
+            "undecodable WAL message quarantined in the failed table",
+            extra={"lsn": at, "error": reason},
+        )
+        self._metrics.failed.inc()
+
     async def _move_to_failed(self, dead: list[tuple[Event, int, str]]) -> None:
+        await self._insert_failed(dead)
+        report_moved(dead, self._metrics)
+
+    async def _insert_failed(self, dead: list[tuple[Event, int, str]]) -> None:
         """Into the failed table, each with an outbox identity of its own (a new id, its
         lane, its fingerprint), committed before the slot may move past it."""
         conn = await self._side()
@@ -232,4 +260,3 @@ class Settler:
         store = self._relay_store
         for params in store.restore_chunks(rows, [d[1] for d in dead], errors, [0.0] * len(dead)):
             await conn.execute(store.move_to_failed, params)
-        report_moved(dead, self._metrics)
