@@ -152,6 +152,19 @@ def _slot_findings(add: _Add, slot: SlotState, state: WalState, settings: Outbox
         )
         return
     reads = source_of(settings).reads_slot
+    if not reads and (slot.active or state.reading_pids):
+        # This shell says table, the deployment streams the slot: never advise a drop.
+        readers = ", ".join(map(str, state.reading_pids or (slot.active_pid,)))
+        add(
+            "wal_slot",
+            "ok",
+            f"replication slot {name} is being read (backend pid {readers}): a WAL relay "
+            "streams it, although OUTBOX_SOURCE is table where doctor runs",
+            "run doctor with the deployment's settings (OUTBOX_SOURCE=wal) to check the WAL "
+            "source itself",
+            **details,
+        )
+        return
     if not reads:
         add(
             "wal_slot",

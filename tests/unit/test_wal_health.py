@@ -213,3 +213,14 @@ def test_the_setup_sql_restricts_emitting_only_when_producer_roles_are_given() -
     assert "rolname = 'outbox_relay'" in block
     assert block.index("current_user") < block.index("REVOKE")
     assert block.startswith("DO $$") and block.endswith("END $$;")
+
+
+def test_in_table_mode_a_slot_being_read_is_not_advised_for_dropping() -> None:
+    table = OutboxSettings(source="table")
+    read = by_check(replace(state(), reading_pids=(40,)), table)["wal_slot"]
+    assert read[0] == "ok" and "being read (backend pid 40)" in read[1]
+    assert "drop" not in read[2].lower()
+    streamed = by_check(state(replace(SLOT, active=True, active_pid=77)), table)["wal_slot"]
+    assert streamed[0] == "ok" and "77" in streamed[1]
+    idle = by_check(state(), table)["wal_slot"]
+    assert idle[0] == "warn" and "pg_drop_replication_slot" in idle[2]
