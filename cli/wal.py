@@ -44,6 +44,13 @@ def setup(
         "role running this get it too) and revoke it from PUBLIC, which PostgreSQL grants "
         "it to: any role that can connect could forge events. Needs a superuser.",
     ),
+    recreate_lost: bool = typer.Option(
+        False,
+        "--recreate-lost",
+        help="Drop a lost (invalidated) slot and create a new one. Without it a lost slot "
+        "is refused (exit 2): events committed since its last confirmed LSN may be gone, "
+        "and the new slot starts now.",
+    ),
     wait_synced: bool = typer.Option(
         False,
         "--wait-synced",
@@ -65,7 +72,7 @@ def setup(
         script = wal_slot.setup_sql(settings, database, role, producer_roles)
         out.print(script, highlight=False, markup=False, soft_wrap=True)
         return
-    set_up(settings, producer_roles)
+    set_up(settings, producer_roles, recreate_lost)
     if wait_synced:
         _wait_synced(settings, timeout)
 
@@ -117,7 +124,9 @@ def _not_synced(view: wal_failover.StandbyView) -> str:
     return "not synced"
 
 
-def set_up(settings: OutboxSettings, producers: Sequence[str] = ()) -> None:
+def set_up(
+    settings: OutboxSettings, producers: Sequence[str] = (), recreate_lost: bool = False
+) -> None:
     """Run the set-up, report what it did (shared with ``outbox db upgrade``)."""
     wal = settings.wal
     notice(
@@ -126,13 +135,22 @@ def set_up(settings: OutboxSettings, producers: Sequence[str] = ()) -> None:
     )
     with reported_errors():  # one line on stderr, exit 2
         try:
-            result = wal_slot.ensure(settings, progress=notice, producers=producers)
+            result = wal_slot.ensure(settings, notice, producers, recreate_lost)
         except WalSetupError as exc:
             if exc.sql:  # stdout: `outbox wal setup > setup.sql` gives the admin a file
                 out.print(exc.sql, highlight=False, markup=False, soft_wrap=True)
             raise
     if not result.publication_created and not result.slot_created:
         notice("publication and slot exist", style="green")
+    if result.lost_since is not None:
+        notice(
+            f"replaced the lost slot {wal.slot}: events committed between LSN "
+            f"{result.lost_since} and LSN {result.slot_lsn} that the relay had not published "
+            "are not in Kafka; publish them again from your source of truth with their "
+            "original event ids (docs/operations/wal-slot.md)",
+            style="yellow",
+            level=WARNING,
+        )
     _failover_notice(settings, result)
     if result.emit_public:
         notice(

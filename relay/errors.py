@@ -60,8 +60,8 @@ class SlotLost(ConfigurationError):
         where = f"since LSN {since}" if since else "(its confirmed LSN is unknown)"
         advice = advice or (
             "compare what producers committed after that point with the topics, then "
-            "recreate the slot with `outbox wal setup` and restart the relay "
-            "(docs/howto/wal-source.md)"
+            "recreate the slot with `outbox wal setup` (`--recreate-lost` for an invalidated "
+            "one) and restart the relay (docs/howto/wal-source.md)"
         )
         super().__init__(
             f"replication slot {slot!r} lost ({cause}): events may be lost {where}; {advice}"

@@ -56,7 +56,8 @@ from outbox.ops.consumers import GroupState
 from outbox.ops.kafka_probe import KafkaProbe
 from outbox.ops.store import OpsStore
 from outbox.ops.vacuum import VacuumState, vacuum_state
-from outbox.ops.wal_slot import LagProbe, WalState, lag_seconds, read_state
+from outbox.ops.wal_lag import LagProbe, lag_seconds
+from outbox.ops.wal_slot import WalState, read_state
 from outbox.settings import OutboxSettings
 from outbox.sources import source_of
 from outbox.tables import build_tables

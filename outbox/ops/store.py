@@ -295,6 +295,9 @@ WAL_PROBE_DROP = text(
     "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE slot_name = :probe"
 )
 
+# `outbox wal setup --recreate-lost`: a lost slot (nobody can stream it) makes way.
+WAL_DROP_SLOT = text("SELECT pg_drop_replication_slot(:slot)")
+
 # Switching back to the table (outbox/ops/wal_drain.py): the WAL position now, then how far
 # the slot's confirmed position is from it (NULL row: no such slot).
 WAL_NOW = text("SELECT pg_current_wal_lsn()::text")

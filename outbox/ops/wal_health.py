@@ -42,8 +42,8 @@ def lost_action(slot: str, confirmed_lsn: str | None) -> str:
         f"events committed since {since} that the relay had not published may be lost: "
         "stop the producers' WAL mode or accept the gap, compare what producers committed "
         "since then with the topics (republish from the source of truth), then drop and "
-        f"re-create the slot: SELECT pg_drop_replication_slot('{slot}'); `outbox wal setup`; "
-        "restart the relay (docs/operations/wal-slot.md)"
+        f"re-create the slot {slot}: `outbox wal setup --recreate-lost`; restart the relay "
+        "(docs/operations/wal-slot.md)"
     )
 
 

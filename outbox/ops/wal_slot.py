@@ -15,19 +15,16 @@ The publication is created before the slot: pgoutput looks publications up in th
 catalog as of the WAL it decodes, and one created after the slot's start is missing for
 everything decoded before its creation.
 
-``read_state`` is the slot's state for ``doctor``, ``lag`` and the relay's metrics;
-``lag_seconds`` measures how old the oldest transaction the relay has not confirmed is.
+``read_state`` is the slot's state for ``doctor``, ``lag`` and the relay's metrics
+(how old the oldest transaction the relay has not confirmed is: outbox/ops/wal_lag.py).
 """
 
 from __future__ import annotations
 
-import os
-import secrets
 import select
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from datetime import datetime
 from typing import Any, Literal
 
 import psycopg
@@ -36,25 +33,21 @@ from psycopg import pq
 from sqlalchemy import Connection, CursorResult, TextClause, text
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.exc import DBAPIError
-from sqlalchemy.pool import NullPool
 
-from outbox import pgoutput
 from outbox.db import describe, sync_engine, translated_errors
 from outbox.errors import (
     WalLevelNotLogical,
     WalPrivilegeMissing,
-    WalRecordInvalid,
     WalSetupError,
     WalSlotMismatch,
+    WalSlotUnavailable,
 )
 from outbox.ops.store import (
     ALTER_FAILOVER_ON,
     WAL_CREATE_FAILOVER_SLOT,
     WAL_CREATE_SLOT,
+    WAL_DROP_SLOT,
     WAL_EMIT_PUBLIC,
-    WAL_PROBE_COPY,
-    WAL_PROBE_DROP,
-    WAL_PROBE_PEEK,
     WAL_PUBLICATION,
     WAL_READERS,
     WAL_SETTINGS,
@@ -170,6 +163,7 @@ class SetupResult:
     failover_blocker: str | None = None  # the server's refusal when in use
     emit_public: bool = True  # PUBLIC may still write WAL events, after the set-up
     emit_restricted: bool = False  # this set-up revoked it (producer roles were given)
+    lost_since: str | None = None  # a lost slot replaced now: the LSN it had confirmed
 
 
 def read_server(conn: Connection) -> ServerWal:
@@ -276,6 +270,7 @@ def ensure_on(
     settings: OutboxSettings,
     progress: Callable[[str], None] | None = None,
     producers: Sequence[str] = (),
+    recreate_lost: bool = False,
 ) -> SetupResult:
     """Create the publication, then the slot, where missing (idempotent, safe to run
     concurrently). ``conn`` must be in autocommit mode: the slot cannot be created in a
@@ -286,7 +281,9 @@ def ensure_on(
     administrator runs instead (``exc.sql``). ``progress`` is told about each object
     created (and before the slot, whose creation may wait). With ``producers``, writing
     WAL events is then left to them (:func:`emit_restriction`); refused, that is
-    :class:`WalPrivilegeMissing` too."""
+    :class:`WalPrivilegeMissing` too. A lost slot is :class:`WalSlotUnavailable` (saying
+    since which LSN events may be lost) unless ``recreate_lost``: then it is dropped and
+    created anew, and ``SetupResult.lost_since`` says from where."""
     tell = progress or (lambda _: None)
     server = read_server(conn)
     if server.wal_level != "logical":
@@ -301,6 +298,10 @@ def ensure_on(
     admin = setup_sql(settings, server.database, role, producers)
     slot = _settled_slot(conn, wal.slot, tell)
     _check_slot(slot, wal.slot, server.database)
+    lost_since = None
+    if slot is not None and slot.wal_status == "lost":
+        lost_since = _make_way(conn, slot, recreate_lost, tell)
+        slot = None
     publication_created = False
     if not _publication_exists(conn, wal.publication):
         publication_created = _create_publication(conn, wal.publication, server, admin)
@@ -332,7 +333,27 @@ def ensure_on(
         blocker,
         emit_public=emit_public(conn),
         emit_restricted=bool(producers),
+        lost_since=lost_since,
     )
+
+
+def _make_way(
+    conn: Connection, slot: SlotState, recreate: bool, tell: Callable[[str], None]
+) -> str:
+    """A lost slot (its WAL removed: no relay can stream it again): refused, or dropped so
+    that a new one is created. Returns the last LSN it had confirmed ("unknown" if none)."""
+    since = slot.confirmed_flush_lsn or "unknown"
+    if not recreate:
+        raise WalSlotUnavailable(
+            f"replication slot {slot.slot_name!r} is lost (wal_status lost, confirmed up to "
+            f"LSN {since}): events committed since then that the relay had not published may "
+            "be gone, and no relay can read it again; `outbox wal setup --recreate-lost` "
+            "drops it and creates a new one (events between the two are not recovered: "
+            "compare the topics with your source of truth, docs/operations/wal-slot.md)"
+        )
+    conn.execute(WAL_DROP_SLOT, {"slot": slot.slot_name})
+    tell(f"dropped lost replication slot {slot.slot_name} (it had confirmed up to LSN {since})")
+    return since
 
 
 def _failover_on(
@@ -429,12 +450,13 @@ def ensure(
     settings: OutboxSettings,
     progress: Callable[[str], None] | None = None,
     producers: Sequence[str] = (),
+    recreate_lost: bool = False,
 ) -> SetupResult:
     """:func:`ensure_on` over a connection of its own to ``settings.database_url``."""
     engine = sync_engine(settings, pool_pre_ping=False, isolation_level="AUTOCOMMIT")
     try:
         with translated_errors(), engine.connect() as conn:
-            return ensure_on(conn, settings, progress, producers)
+            return ensure_on(conn, settings, progress, producers, recreate_lost)
     finally:
         engine.dispose()
 
@@ -506,72 +528,3 @@ def _refused(exc: BaseException, what: str, admin: str) -> WalPrivilegeMissing:
         sql=admin,
         sqlstate=sqlstate,
     )
-
-
-# Rows read from the probe: the first transaction's BEGIN is the first row unless
-# non-transactional messages (no BEGIN) come before it.
-_PROBE_ROWS = 16
-
-
-def commit_time(data: bytes) -> datetime | None:
-    """The commit time in a pgoutput BEGIN message, None for any other message."""
-    if data[:1] != b"B":
-        return None
-    try:
-        return pgoutput.begin(data).moment
-    except WalRecordInvalid:
-        return None  # not a Begin this code can read: the lag is unknown, not wrong
-
-
-@dataclass(frozen=True)
-class LagProbe:
-    """Age of the oldest transaction in the slot the relay has not confirmed: 0.0 when
-    there is none (caught up), None with ``reason`` when it could not be measured."""
-
-    seconds: float | None
-    reason: str | None = None
-
-
-def lag_seconds(settings: OutboxSettings, timeout_seconds: float = 10) -> LagProbe:
-    """Measure the slot's lag in seconds, on the database clock, over a connection of its
-    own.
-
-    PostgreSQL has no "time of an LSN"; the commit time of the first transaction past the
-    slot's confirmed position is exact. It is read from a temporary copy of the slot
-    (``pg_copy_logical_replication_slot``): peeking the slot itself would take it from the
-    relay for the duration. The copy is dropped at once (and by PostgreSQL when the session
-    ends in any case). Needs REPLICATION (or superuser); decoding stops after the first
-    transaction and is bounded by ``timeout_seconds``. The relay's heartbeat keeps an idle,
-    caught-up slot's figure near or below ``wal.heartbeat_seconds``.
-    """
-    wal = settings.wal
-    # Slot names: at most 63 characters of a-z, 0-9 and _.
-    probe = f"outbox_lag_probe_{os.getpid()}_{secrets.token_hex(4)}"
-    engine = sync_engine(settings, pool_pre_ping=False, poolclass=NullPool)
-    try:
-        with translated_errors(), engine.connect() as conn:
-            try:
-                with conn.begin():
-                    timeout = int(timeout_seconds * 1000)
-                    conn.exec_driver_sql(f"SET LOCAL statement_timeout = {timeout}")
-                    conn.execute(WAL_PROBE_COPY, {"slot": wal.slot, "probe": probe})
-                    rows = conn.execute(
-                        WAL_PROBE_PEEK,
-                        {"probe": probe, "n": _PROBE_ROWS, "publication": wal.publication},
-                    ).all()
-            except DBAPIError as exc:
-                if exc.connection_invalidated:
-                    raise
-                sqlstate, message, _ = describe(exc)
-                return LagProbe(None, f"{message} [SQLSTATE {sqlstate}]")
-            finally:
-                # Creating a slot is not undone by a rollback.
-                with conn.begin():
-                    conn.execute(WAL_PROBE_DROP, {"probe": probe})
-    finally:
-        engine.dispose()
-    for data, db_now in rows:
-        committed = commit_time(bytes(data))
-        if committed is not None:
-            return LagProbe(max(0.0, (db_now - committed).total_seconds()))
-    return LagProbe(0.0)

@@ -1,5 +1,8 @@
 """A slot invalidated under the WAL relay (``max_slot_wal_keep_size`` exceeded): the relay
-stops at once, exit 2, one line saying events may be lost since which LSN and what to do.
+stops at once, exit 2, one line saying events may be lost since which LSN and what to do;
+producers are refused meanwhile (WalSlotMissing); ``outbox wal setup`` refuses the lost slot
+(exit 2) and ``--recreate-lost`` replaces it, naming the LSNs between which events may be
+missing, after which events flow again.
 
 On a PostgreSQL cluster of the test's own (tests/support/private_pg.py): lowering
 ``max_slot_wal_keep_size`` on the shared server would invalidate every other test's slots.
@@ -12,12 +15,12 @@ from pathlib import Path
 
 import pytest
 
-from outbox import migrate
+from outbox import Outbox, WalSlotMissing, migrate
 from outbox.db import sync_engine
 from outbox.settings import OutboxSettings, WalSettings
 from tests.support.kafka import create_topic
 from tests.support.private_pg import PrivatePostgres
-from tests.support.relay import RelayProcess, publish_numbered, read_ids, relay_env
+from tests.support.relay import RelayProcess, outbox_cli, publish_numbered, read_ids, relay_env
 from tests.support.wal import wal_env
 
 pytestmark = pytest.mark.acceptance
@@ -63,3 +66,34 @@ async def test_an_invalidated_slot_stops_the_relay_with_exit_2_and_one_line(
     assert len(lines) == 1, log[-3000:]
     assert "since LSN " in lines[0] and "outbox wal setup" in lines[0], lines[0]
     assert "Traceback" not in log
+
+    # Producers are refused while the slot is lost (nothing committed for no slot to read).
+    engine = sync_engine(settings)
+    try:
+        with pytest.raises(WalSlotMissing), engine.begin() as conn:
+            Outbox(settings).publish(conn, topic=topic, key="k", event_type="t", payload={})
+    finally:
+        engine.dispose()
+    # `outbox wal setup` says the slot is lost rather than "exists"; --recreate-lost
+    # replaces it and says since which LSN events may be missing.
+    env = relay_env(settings, **wal_env(settings))
+    refused = outbox_cli("wal", "setup", env=env)
+    assert refused.returncode == 2, refused.stderr
+    assert "is lost" in refused.stderr and "--recreate-lost" in refused.stderr, refused.stderr
+    assert "publication and slot exist" not in refused.stderr
+    redone = outbox_cli("wal", "setup", "--recreate-lost", env=env)
+    assert redone.returncode == 0, redone.stderr
+    assert "dropped lost replication slot outbox_lost" in redone.stderr, redone.stderr
+    assert "replaced the lost slot outbox_lost: events committed between LSN" in redone.stderr
+    assert "Traceback" not in refused.stderr + redone.stderr
+    engine = sync_engine(settings)
+    try:
+        ids = publish_numbered(engine, settings, topic, 10)
+    finally:
+        engine.dispose()
+    relay = RelayProcess(env, tmp_path, "wal-again")
+    try:
+        await read_ids(kafka_bootstrap, topic, ids)
+        assert relay.alive(), relay.log()[-3000:]
+    finally:
+        relay.kill()

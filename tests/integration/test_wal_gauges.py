@@ -12,7 +12,8 @@ import pytest
 
 from outbox.db import sync_engine
 from outbox.ops.wal_health import WalGauges
-from outbox.ops.wal_slot import ensure, lag_seconds, read_slot
+from outbox.ops.wal_lag import lag_seconds
+from outbox.ops.wal_slot import ensure, read_slot
 from outbox.settings import OutboxSettings
 from relay.metrics import RelayMetrics
 from tests.support.wal_slots import wal_names

@@ -15,7 +15,8 @@ import pytest
 
 from outbox.ops.lag import LagReport, Thresholds, WalLag
 from outbox.ops.wal_health import WalGauges, findings
-from outbox.ops.wal_slot import ServerWal, SlotState, WalState, commit_time, setup_sql
+from outbox.ops.wal_lag import commit_time
+from outbox.ops.wal_slot import ServerWal, SlotState, WalState, setup_sql
 from outbox.settings import OutboxSettings
 
 GIB = 1 << 30
@@ -61,7 +62,7 @@ def test_a_lost_slot_is_an_error_naming_the_lsn_since_which_events_may_be_lost()
     level, what, action = by_check(state(lost))["wal_slot"]
     assert level == "error" and "lost" in what
     assert "since LSN 0/1000100" in action and "may be lost" in action
-    assert "pg_drop_replication_slot('outbox_relay')" in action and "wal setup" in action
+    assert "outbox_relay" in action and "outbox wal setup --recreate-lost" in action
 
 
 def test_an_unreserved_slot_warns_that_the_next_checkpoint_may_invalidate_it() -> None:
