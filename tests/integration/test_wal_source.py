@@ -258,6 +258,13 @@ async def test_a_refused_event_goes_to_the_failed_table_and_the_slot_moves_on(
         # `outbox failed retry` in WAL mode puts it back into the WAL (not into the outbox
         # table, which no WAL relay reads and which would hold the slot back): it is read
         # again, refused again, and lands in the failed table again.
+        # From a shell left on the table source, refused with one line: the rows would wait
+        # in the outbox table for a table relay that does not run.
+        table_shell = {**env, "OUTBOX_SOURCE": "table"}
+        refused = await asyncio.to_thread(outbox_cli, "failed", "retry", "--all", env=table_shell)
+        assert refused.returncode == 2, refused
+        assert "OUTBOX_SOURCE=wal" in refused.stderr and "Traceback" not in refused.stderr
+        assert _count(engine, failed.fullname) == 1
         retried = await asyncio.to_thread(outbox_cli, "failed", "retry", "--all", env=env)
         assert retried.returncode == 0 and "requeued 1" in retried.stdout, retried
         again = await asyncio.to_thread(
