@@ -185,7 +185,7 @@ def _wal_line(wal: WalLag, label: str = "wal slot") -> Text:
         else f"{mib(wal.safe_wal_size)} more before invalidation"
     )
     reader = (
-        f"read by pid {', '.join(map(str, wal.reading_pids))}"
+        f"read by a relay (backend pid {', '.join(map(str, wal.reading_pids))})"
         if wal.reading_pids
         else "read by no relay"
     )

@@ -232,7 +232,8 @@ def _reader(add: _Add, state: WalState) -> None:
     add(
         "wal_reader",
         "ok",
-        f"relay pid {', '.join(map(str, reading))} reads the slot; {len(standby)} standing by",
+        f"a relay reads the slot (its database session: backend pid "
+        f"{', '.join(map(str, reading))}); {len(standby)} standing by",
         None,
         **details,
     )

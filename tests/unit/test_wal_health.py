@@ -187,7 +187,10 @@ def test_doctor_says_whether_a_relay_reads_the_slot() -> None:
     nobody = by_check(replace(state(), standby_pids=(41,)))["wal_reader"]
     assert nobody[0] == "warn" and "no relay reads the slot (1 connected" in nobody[1]
     reading = by_check(replace(state(), reading_pids=(40,), standby_pids=(41, 42)))
-    assert reading["wal_reader"][:2] == ("ok", "relay pid 40 reads the slot; 2 standing by")
+    assert reading["wal_reader"][:2] == (
+        "ok",
+        "a relay reads the slot (its database session: backend pid 40); 2 standing by",
+    )
     assert "wal_reader" not in by_check(state(), OutboxSettings(source="table"))
     assert "wal_reader" not in by_check(state(slot=None))  # the missing slot is the error
 
