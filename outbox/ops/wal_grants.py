@@ -46,7 +46,9 @@ def restrict_sql(roles: Sequence[str], job_roles: Sequence[str] = ()) -> str:
     misspelt producer role fails the block before anything is revoked), to those of
     ``job_roles`` that exist (``outbox db sql --roles``) and to the role running it, then
     revoked from PUBLIC. One transaction: all of it or nothing."""
-    grant = "EXECUTE format('GRANT EXECUTE ON FUNCTION %s TO %I', f, {});"
+    # Concatenation, not format('%s %I'): no percent sign, which drivers that take
+    # pyformat parameters (psycopg through SQLAlchemy) would read as a placeholder.
+    grant = "EXECUTE 'GRANT EXECUTE ON FUNCTION ' || f::text || ' TO ' || quote_ident({});"
     steps = [grant.format(_literal(r)) for r in roles]
     steps += [
         f"IF EXISTS (SELECT FROM pg_roles WHERE rolname = {_literal(r)}) THEN "
@@ -55,7 +57,7 @@ def restrict_sql(roles: Sequence[str], job_roles: Sequence[str] = ()) -> str:
         for r in job_roles
     ]
     steps.append(grant.format("current_user"))
-    steps.append("EXECUTE format('REVOKE EXECUTE ON FUNCTION %s FROM PUBLIC', f);")
+    steps.append("EXECUTE 'REVOKE EXECUTE ON FUNCTION ' || f::text || ' FROM PUBLIC';")
     return (
         f"DO $$ DECLARE f regprocedure; BEGIN FOR f IN {_EACH_SIGNATURE} LOOP "
         + " ".join(steps)

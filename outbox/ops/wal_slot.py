@@ -479,11 +479,10 @@ def _create(
 
 
 def _restrict_emit(conn: Connection, sql: str, server: ServerWal, admin: str) -> None:
-    """Run :func:`emit_restriction`'s block (through the driver as it is: its ``format``
-    strings hold ``%s``). Only a superuser may (the function's owner is the bootstrap
-    superuser): a refusal is :class:`WalPrivilegeMissing` with the SQL."""
+    """Run :func:`emit_restriction`'s block. Only a superuser may (the function's owner is
+    the bootstrap superuser): a refusal is :class:`WalPrivilegeMissing` with the SQL."""
     try:
-        conn.exec_driver_sql(sql)
+        conn.execute(text(sql))
     except DBAPIError as exc:
         if isinstance(exc.orig, psycopg.errors.InsufficientPrivilege):
             denied = (

@@ -113,7 +113,7 @@ def test_the_printed_sql_restricts_emitting_when_an_administrator_runs_it(
             "wal", "setup", "--print-sql", "--producer-role", _user(producer), "--role", relay
         )
         assert proc.returncode == 0, proc.stderr
-        assert "REVOKE EXECUTE ON FUNCTION %s FROM PUBLIC" in proc.stdout
+        assert "'REVOKE EXECUTE ON FUNCTION ' || f::text || ' FROM PUBLIC'" in proc.stdout
         [block] = [x for x in proc.stdout.splitlines() if "FROM PUBLIC" in x]
         with psycopg.connect(ws.libpq_dsn, autocommit=True) as conn:
             conn.execute(f"CREATE ROLE {relay} NOLOGIN")  # the relay role named with --role

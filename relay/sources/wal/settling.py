@@ -135,6 +135,11 @@ class Settler:
                 return False
             sent = [rows[i] for i in todo]
             failed = await self._send(sent, alone)
+            # Kafka refuses a whole record batch for one record too large for the topic:
+            # a refusal in a batch of several charges no attempt, the events go again one
+            # by one and only the one refused alone is charged (with max_attempts 1, the
+            # others would otherwise go to the failed table with it).
+            batch = not alone and len(sent) > 1
             retry: list[int] = []
             dead: list[tuple[Event, int, str]] = []
             to_hold: dict[tuple[str, int], list[Event]] = {}
@@ -149,6 +154,9 @@ class Settler:
                 verdict = self._verdicts.of(exc, row[TOPIC], self._attempts.get(row[CE_ID], 0))
                 if verdict.refused:
                     alone = True
+                    if batch:
+                        retry.append(todo[j])
+                        continue
                     self._attempts[row[CE_ID]] = verdict.attempts
                 if verdict.failed:
                     dead.append((row, verdict.attempts, str(exc)))
