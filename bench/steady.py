@@ -69,7 +69,7 @@ from bench.wal import wal_mode
 from outbox import Outbox, migrate
 from outbox.db import sync_engine
 from outbox.envelope import Message
-from outbox.settings import OutboxSettings
+from outbox.settings import OutboxSettings, WalSettings
 
 # --handler -> the app in bench/steady_app.py the consumer runs.
 APPS = {"event": "app", "batch": "batch_app"}
@@ -95,12 +95,17 @@ def cpu_seconds(pid: int) -> float:
 
 def producer(
     url: str, topic: str, rate: float, seconds: float, tick: float, keys: int, first: int,
-    step: int, single: bool, source: str, out: Connection,
+    step: int, single: bool, source: str, slot: str, out: Connection,
 ) -> None:  # fmt: skip
     """Child process: commit events ``first, first + step, ...`` at ``rate``/s for
-    ``seconds`` (into the outbox table or the WAL: ``source``); send back {event_id:
-    wall-clock time its commit returned}."""
-    settings = OutboxSettings(database_url=url, source=source)  # type: ignore[arg-type]
+    ``seconds`` (into the outbox table or the WAL: ``source``, read from ``slot``: the
+    producer emits only while it exists); send back {event_id: wall-clock time its commit
+    returned}."""
+    settings = OutboxSettings(
+        database_url=url,  # type: ignore[arg-type]
+        source=source,  # type: ignore[arg-type]
+        wal=WalSettings(slot=slot),
+    )
     engine = sync_engine(settings, pool_pre_ping=False)
     ob = Outbox(settings)
     committed: dict[str, float] = {}
@@ -142,7 +147,7 @@ def produce(settings: OutboxSettings, topic: str, args: argparse.Namespace) -> d
         proc = ctx.Process(
             target=producer,
             args=(url, topic, args.rate / n, args.seconds, args.tick_ms / 1000, args.keys, p, n,
-                  args.single, settings.source, send),
+                  args.single, settings.source, settings.wal.slot, send),
         )  # fmt: skip
         proc.start()
         pipes.append(recv)
