@@ -450,7 +450,9 @@ async def test_large_records_pause_fetching_by_bytes_and_all_are_applied(
     @app.handler("test.event")
     async def handle(event: inbox.InboxEvent, session: AsyncSession) -> None:
         body = event.json()
-        await asyncio.sleep(0.02)
+        # Slow enough that fetching always runs ahead to the limit: at 0.02 s a fast run
+        # kept up, never held 4 MiB, and proved nothing about the pause (CI: 4,000,136 B).
+        await asyncio.sleep(0.2)
         calls.append(event.event_id)
         await session.execute(
             text(f"INSERT INTO {table} (event_id, key, seq) VALUES (:e, :k, :s)"),

@@ -101,6 +101,23 @@ def test_a_caller_that_swallows_the_error_and_commits_still_emitted_nothing(
     assert _messages_in(engine, wal_settings) == 0  # the gate ran before any message
 
 
+def test_several_messages_in_one_statement_are_refused_as_one(
+    engine: Engine, wal_settings: OutboxSettings
+) -> None:
+    # Over 256 KiB of events: publish_many packs them into several messages, one statement
+    # (the unnest path), and the gate must stop them all, then pass them all.
+    big = [
+        Message(topic="orders", key=f"k{n}", event_type="t", payload={"pad": "x" * 100_000})
+        for n in range(5)
+    ]
+    with engine.begin() as conn, pytest.raises(WalSlotMissing):
+        Outbox(_without_slot(wal_settings)).publish_many(conn, big)
+    assert _messages_in(engine, wal_settings) == 0
+    with engine.begin() as conn:
+        Outbox(wal_settings).publish_many(conn, big)
+    assert _messages_in(engine, wal_settings) >= 2
+
+
 def test_with_the_slot_events_are_emitted_and_after_a_drop_refused(
     engine: Engine, wal_settings: OutboxSettings, orders: str
 ) -> None:
