@@ -24,7 +24,7 @@ import json
 import os
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,7 +37,7 @@ from outbox.dberrors import OUTAGE, trouble
 from outbox.settings import OutboxSettings
 from outbox.tables import build_tables
 from tests.acceptance.conftest import ROOT, Cli, Daemons, relay_and_consumer
-from tests.support.inbox import ce_headers, effect_rows, effect_verdict, produce
+from tests.support.inbox import ce_headers, effect_rows, effect_verdict, produce, until
 from tests.support.private_pg import PrivatePostgres
 from tests.support.steady import SteadyProducer, effects
 
@@ -132,15 +132,6 @@ def stream(pg: PrivatePostgres, kafka_bootstrap: str, tmp_path: Path) -> Iterato
         engine.dispose()
 
 
-async def _until(condition: Callable[[], bool], within: float) -> bool:
-    deadline = time.monotonic() + within
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        await asyncio.sleep(0.2)
-    return True
-
-
 def _verdict(s: Stream, published: int) -> None:
     """The common assertions once the stream is drained."""
     expected = published + s.direct
@@ -186,7 +177,7 @@ async def test_a_full_disk_dead_letters_nothing_and_counts_no_attempt(stream: St
     # Another service's records arrive while the disk is full: the consumer meets 53100 in
     # its handlers' INSERTs (and its own statements) with records in hand.
     await s.produce_direct(100)
-    met = await _until(lambda: "53100" in s.log("consumer"), 20)
+    met = await until(lambda: "53100" in s.log("consumer"), 20)
     assert met, "the consumer never met the full disk\n" + s.dump()
     await asyncio.sleep(max(0.0, 3 - (time.monotonic() - filled_at)))  # full for 3 s at least
     assert s.alive(), s.dump()
@@ -200,7 +191,7 @@ async def test_a_full_disk_dead_letters_nothing_and_counts_no_attempt(stream: St
     s.pg.free()
     if not s.pg.running():
         s.pg.start()
-    assert await _until(s.pg.accepts_writes, 20), s.dump()
+    assert await until(s.pg.accepts_writes, 20), s.dump()
     await s.produce_direct(20)
     await asyncio.sleep(2)  # the stream goes on after the recovery
     published = s.producer.finish()
@@ -221,13 +212,13 @@ async def test_a_read_only_switch_dead_letters_nothing_and_applies_everything_on
     s.pg.sql("SELECT pg_reload_conf()")
     switched_at = time.monotonic()
     await s.produce_direct(100)
-    met = await _until(lambda: "25006" in s.log("consumer"), 20)
+    met = await until(lambda: "25006" in s.log("consumer"), 20)
     assert met, "the consumer never met the read-only switch\n" + s.dump()
     await asyncio.sleep(max(0.0, 3 - (time.monotonic() - switched_at)))
     assert s.alive(), s.dump()
     s.pg.sql("ALTER SYSTEM SET default_transaction_read_only = off")
     s.pg.sql("SELECT pg_reload_conf()")
-    assert await _until(s.pg.accepts_writes, 20), s.dump()
+    assert await until(s.pg.accepts_writes, 20), s.dump()
     await s.produce_direct(20)
     await asyncio.sleep(2)
     published = s.producer.finish()

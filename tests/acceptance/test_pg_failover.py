@@ -24,7 +24,7 @@ import json
 import subprocess
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,7 +38,7 @@ from outbox import WalSlotMissing, migrate
 from outbox.db import sync_engine
 from outbox.settings import OutboxSettings
 from tests.acceptance.conftest import ROOT, Cli, Daemons, relay_and_consumer
-from tests.support.inbox import effect_verdict
+from tests.support.inbox import effect_verdict, until
 from tests.support.relay import read_ids
 from tests.support.replicas import Pair, ReplicasFailed, replicated_pair
 from tests.support.steady import KEYS, SteadyProducer, effects
@@ -198,7 +198,7 @@ async def _relay_stops(s: Stream, label: str) -> str:
     code = await asyncio.to_thread(relay.wait, 60)
     # The producer fails closed on the new primary (no slot there: issue 51): refused with
     # WalSlotMissing, not committed for no slot to read.
-    refused = await _refused(s.producer, 20)
+    refused = await until(lambda: any(isinstance(e, WalSlotMissing) for e in s.producer.errors), 20)
     s.producer.finish()
     log = s.log("relay")
     lines = [line for line in log.splitlines() if "may be lost" in line]
@@ -212,16 +212,6 @@ async def _relay_stops(s: Stream, label: str) -> str:
     assert s.daemons.procs["consumer"].poll() is None, s.dump()
     assert refused, f"no WalSlotMissing after the failover: {s.producer.errors[-5:]}"
     return line
-
-
-async def _refused(producer: SteadyProducer, seconds: float) -> bool:
-    """Whether the producer was refused with WalSlotMissing (waiting up to ``seconds``)."""
-    deadline = time.monotonic() + seconds
-    while not any(isinstance(e, WalSlotMissing) for e in producer.errors):
-        if time.monotonic() > deadline:
-            return False
-        await asyncio.sleep(0.2)
-    return True
 
 
 def _levels(found: dict[str, list[dict[str, Any]]], check: str) -> list[str]:
@@ -339,7 +329,7 @@ async def test_the_daemons_reach_the_primary_through_each_multi_host_form(
                 for path in daemons.logs.values()
             )
 
-        ok = await _until(started, 90)
+        ok = await until(started, 90)
         dumps = "\n".join(f"=== {form}\n{d.dump()}" for form, d in running.items())
         assert ok, dumps
         for form, daemons in running.items():
@@ -350,15 +340,6 @@ async def test_the_daemons_reach_the_primary_through_each_multi_host_form(
                 if "relay starting" in line
             )
             assert f"server={want}" in start_line, (form, start_line)
-
-
-async def _until(condition: Callable[[], bool], within: float) -> bool:
-    deadline = time.monotonic() + within
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        await asyncio.sleep(0.2)
-    return True
 
 
 def test_doctor_names_each_setting_a_standby_lacks(pair18: Pair, kafka_bootstrap: str) -> None:

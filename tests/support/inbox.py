@@ -6,6 +6,7 @@ import asyncio
 import os
 import subprocess
 import threading
+import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from pathlib import Path
@@ -149,6 +150,16 @@ def effect_verdict(
             out_of_order += 1
         last[key] = max(seq, last.get(key, -1))
     return expected - len(seen), sum(c - 1 for c in seen.values()), out_of_order
+
+
+async def until(condition: Callable[[], bool], within: float) -> bool:
+    """Whether ``condition`` became true within ``within`` seconds (polled every 0.2 s)."""
+    deadline = time.monotonic() + within
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(0.2)
+    return True
 
 
 async def wait_for(
