@@ -8,6 +8,7 @@
     python -m bench.steady --idle 30                     # also the relay's cost with no events
     python -m bench.steady --source wal --checkout base=/path/to/old/checkout  # the WAL source
     python -m bench.steady --busy 1                      # on a busy host: a CPU-bound process
+    python -m bench.steady --consumer --rate 200 --stages  # the latency budget by stage
 
 A producer (child processes, ``Outbox.publish_many`` in the caller's transaction as an
 application does) commits ``--rate`` events/s over ``--keys`` keys: one transaction per
@@ -35,6 +36,14 @@ checkout (a before/after of a change touching the relay and the consumer). ``--p
 samples the relay with py-spy (folded stacks, idle excluded) and, with ``--consumer``,
 prints where the consumer's CPU went by stage (``bench/cpuprofile.py``: CPU-time samples,
 from the stream's first event to its last one handled).
+
+``--stages`` prints the latency budget by stage, p50 (p99) over the window's events:
+commit -> read (the relay claimed the row, or read it from the WAL, and hands it to
+Kafka), read -> append (Kafka's produce, acks included), append -> fetch (the broker
+holding the fetch, the response reaching the consumer), fetch -> handler (the consumer's
+lanes, its inbox claim, the handler's insert). The daemons run under
+``bench/steady_stages.py``, which stamps the two points inside them; ``--vs`` builds'
+relays cannot be stamped (their stage shows as commit -> append).
 """
 
 from __future__ import annotations
@@ -75,6 +84,11 @@ from outbox.settings import OutboxSettings, WalSettings
 APPS = {"event": "app", "batch": "batch_app"}
 PAD = 250  # JSON payload of ~300 bytes
 _TICK = os.sysconf("SC_CLK_TCK")
+STAGES_SCRIPT = Path(__file__).with_name("steady_stages.py")
+
+
+# (name, relay executable, consumer's PYTHONPATH, relay's checkout): see main().
+Build = tuple[str, str, str | None, str | None]
 
 
 @dataclass
@@ -85,6 +99,8 @@ class Run:
     cpu_us_per_event: float
     cpu_share: float  # of one core
     consumer_cpu_us_per_event: float | None = None
+    # --stages: {stage: (p50, p99) ms} over the window's events stamped at every stage.
+    stages: dict[str, tuple[float, float]] | None = None
 
 
 def cpu_seconds(pid: int) -> float:
@@ -335,10 +351,13 @@ def one_run(
     args: argparse.Namespace,
     logs: Path,
     consumer_path: str | None = None,
+    relay_path: str | None = None,
 ) -> Run:
     """One stream through ``exe``'s relay and, with ``--consumer``, a consumer importing
     ``outbox``/``inbox`` from ``consumer_path`` (this build when None); with ``--profile``
-    the consumer runs under the CPU-time profiler (``bench/steady_profile.py``)."""
+    the consumer runs under the CPU-time profiler (``bench/steady_profile.py``); with
+    ``--stages`` both daemons run under ``bench/steady_stages.py`` (the relay only when
+    ``relay_path``, the checkout ``exe`` runs from, is known)."""
     topic = asyncio.run(
         create_topic(settings, args.partitions, {"message.timestamp.type": "LogAppendTime"})
     )
@@ -347,8 +366,13 @@ def one_run(
         conn.execute(DDL)
     env = relay_env(settings)
     tag = uuid.uuid4().hex[:6]
+    relay_command = [exe]
+    stamps = {d: logs / f"{d}-{tag}.stages.json" for d in ("relay", "consumer")}
+    if args.stages and relay_path is not None:
+        relay_command = [sys.executable, str(STAGES_SCRIPT), str(stamps["relay"])]
+        env = {**env, "PYTHONPATH": relay_path}
     relay = subprocess.Popen(
-        [exe, "--log-level", "WARNING", "relay"],
+        [*relay_command, "--log-level", "WARNING", "relay"],
         env=env,
         stdout=(logs / f"relay-{tag}.log").open("wb"),
         stderr=subprocess.STDOUT,
@@ -368,6 +392,8 @@ def one_run(
             if args.profile:
                 script = Path(__file__).with_name("steady_profile.py")
                 command = [sys.executable, str(script), str(logs / f"consumer-{tag}.pickle")]
+            elif args.stages:
+                command = [sys.executable, str(STAGES_SCRIPT), str(stamps["consumer"])]
             consumer = subprocess.Popen(
                 [
                     *command,
@@ -418,7 +444,39 @@ def one_run(
     e2e = pct([(seen[e] - at) * 1000 for e, at in window.items() if e in seen]) if seen else None
     n = len(committed)
     per_event = None if consumer_cpu is None else consumer_cpu / n * 1e6
-    return Run(relay_ms, e2e, n, cpu / n * 1e6, cpu / args.seconds, per_event)
+    stages = budget(window, stamps, appended, seen) if args.stages else None
+    return Run(relay_ms, e2e, n, cpu / n * 1e6, cpu / args.seconds, per_event, stages)
+
+
+def budget(
+    window: dict[str, float],
+    stamps: dict[str, Path],
+    appended: dict[str, int],
+    seen: dict[str, float],
+) -> dict[str, tuple[float, float]]:
+    """The latency budget by stage (p50, p99 ms), from the window's commit times, the
+    daemons' stamps (a daemon that stamped nothing: its stages are left out), the broker's
+    append times (ms) and the handler's insert times."""
+    read, fetched = (
+        json.loads(path.read_text()) if path.exists() else {} for path in stamps.values()
+    )
+    # Each stage: (name, its start, its end), in seconds.
+    marks: list[tuple[str, dict[str, float], dict[str, float]]] = []
+    append = {e: ms / 1000 for e, ms in appended.items()}
+    if read:
+        marks += [("commit->read", window, read), ("read->append", read, append)]
+    else:
+        marks.append(("commit->append", window, append))
+    if fetched:
+        marks += [("append->fetch", append, fetched), ("fetch->handler", fetched, seen)]
+    elif seen:
+        marks.append(("append->handler", append, seen))
+    out = {}
+    for name, start, end in marks:
+        values = [(end[e] - start[e]) * 1000 for e in window if e in start and e in end]
+        p50, p99, _ = pct(values)
+        out[name] = (p50, p99)
+    return out
 
 
 def show(name: str, run: Run) -> str:
@@ -432,7 +490,11 @@ def show(name: str, run: Run) -> str:
     )
     if run.consumer_cpu_us_per_event is not None:
         line += f" | consumer CPU {run.consumer_cpu_us_per_event:.0f} us/event"
-    return line + f" ({run.events} events)"
+    line += f" ({run.events} events)"
+    if run.stages:
+        parts = [f"{stage} {p50:.1f} ({p99:.1f})" for stage, (p50, p99) in run.stages.items()]
+        line += "\n         budget, p50 (p99) ms: " + " | ".join(parts)
+    return line
 
 
 def main() -> None:
@@ -451,6 +513,11 @@ def main() -> None:
         choices=sorted(APPS),
         default="event",
         help="the consumer's handler: one INSERT per event, or a batch handler's one per list",
+    )
+    ap.add_argument(
+        "--stages",
+        action="store_true",
+        help="the latency budget by stage (the daemons under bench/steady_stages.py)",
     )
     ap.add_argument("--busy", type=int, default=0, help="CPU-bound processes beside them")
     ap.add_argument("--idle", type=float, default=0, help="first measure the idle relay")
@@ -509,21 +576,23 @@ def main() -> None:
         f"{os.getloadavg()[0]:.2f}",
         flush=True,
     )
-    # (name, relay executable, consumer's PYTHONPATH or None for this build)
-    builds: list[tuple[str, str, str | None]] = [("this", own_outbox(), None)]
+    # (name, relay executable, consumer's PYTHONPATH or None for this build, the relay's
+    # checkout when known: --stages runs it from there)
+    here = str(Path.cwd())
+    builds: list[Build] = [("this", own_outbox(), None, here)]
     for i, v in enumerate(args.vs):
         name, exe = v.split("=", 1) if "=" in v else (f"other{i or ''}", v)
-        builds.append((name, exe, None))
+        builds.append((name, exe, None, None))
     for i, v in enumerate(args.consumer_vs):
         name, path = v.split("=", 1) if "=" in v else (f"consumer{i or ''}", v)
-        builds.append((name, own_outbox(), str(Path(path).resolve())))
+        builds.append((name, own_outbox(), str(Path(path).resolve()), here))
     for v in args.checkout:
         name, path = v.split("=", 1)
         checkout = str(Path(path).resolve())
         relay = logs / f"outbox-{name}"  # that checkout's CLI, on this interpreter
         relay.write_text(f'#!/bin/sh\nPYTHONPATH={checkout} exec {sys.executable} -m cli "$@"\n')
         relay.chmod(0o755)
-        builds.append((name, str(relay), checkout))
+        builds.append((name, str(relay), checkout, checkout))
     try:
         migrate.upgrade(settings)
         source = wal_mode(settings) if args.source == "wal" else contextlib.nullcontext(settings)
@@ -539,18 +608,18 @@ def main() -> None:
 def run_builds(
     settings: OutboxSettings,
     dbname: str,
-    builds: list[tuple[str, str, str | None]],
+    builds: list[Build],
     args: argparse.Namespace,
     logs: Path,
 ) -> None:
     """``--pairs`` runs of each build, alternating, and the medians of each."""
     several = len(builds) > 1
-    runs: dict[str, list[Run]] = {name: [] for name, _, _ in builds}
+    runs: dict[str, list[Run]] = {name: [] for name, *_ in builds}
     for i in range(args.pairs if several else 1):
         # Alternate which build goes first: a drift in the machine's load then
         # spreads over both sides.
-        for name, exe, path in builds if i % 2 == 0 else builds[::-1]:
-            run = one_run(settings, dbname, exe, args, logs, path)
+        for name, exe, path, relay_path in builds if i % 2 == 0 else builds[::-1]:
+            run = one_run(settings, dbname, exe, args, logs, path, relay_path)
             runs[name].append(run)
             print(show(f"  {name:5s}", run), flush=True)
     summary = {}
@@ -566,6 +635,11 @@ def run_builds(
             med["consumer_cpu_us_per_event"] = statistics.median(
                 r.consumer_cpu_us_per_event or 0.0 for r in rs
             )
+        if all(r.stages for r in rs):
+            for stage in rs[0].stages or {}:
+                med[f"{stage}_p50_ms"] = statistics.median(
+                    r.stages[stage][0] for r in rs if r.stages and stage in r.stages
+                )
         summary[name] = med
     print(json.dumps(summary))
 
