@@ -191,6 +191,14 @@ class RecordRejected(OutboxError):
     retriable = False
 
 
+class RecordUnreadable(OutboxError):
+    """The Kafka client cannot read a fetched record at all (a header name that is not
+    UTF-8, with an aiokafka the framework cannot read it with: said at start), so the
+    inbox cannot dead-letter it; the consumer stops rather than skip it silently."""
+
+    retriable = False
+
+
 class ProducerBroken(OutboxError):
     """The Kafka producer must be recreated (lost idempotence state, fenced, closed)."""
 

@@ -18,6 +18,7 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 from inbox import failures
 from inbox.errors import EnvelopeError, Unreadable
 from inbox.event import InboxEvent, KafkaRecord, header_text
+from outbox.kafka.client import UndecodedHeader
 from outbox.text import storable, unstorable
 
 MAX_ID_CHARS = 255  # the inbox's event_id column
@@ -124,6 +125,16 @@ def headers_of(record: KafkaRecord) -> Headers:
     return tuple((name, bytes(value or b"")) for name, value in record.headers)
 
 
+def undecoded(raw_headers: Sequence[tuple[str, bytes | None]]) -> str | None:
+    """Why a record's headers cannot be read (a name that is not UTF-8, which the Kafka
+    client hands as an :class:`~outbox.kafka.client.UndecodedHeader`), or None."""
+    for item in raw_headers:
+        if type(item) is UndecodedHeader:
+            name = item[0] if len(item[0]) <= 80 else item[0][:79] + "…"
+            return f"header name {name} is not UTF-8 (its bytes shown escaped, \\xNN)"
+    return None
+
+
 def utf8(raw: bytes) -> str | None:
     """A header value as text; None when empty or not UTF-8."""
     try:
@@ -188,8 +199,9 @@ def opened_event(
     attributes: tuple[tuple[str, str], ...],
 ) -> InboxEvent:
     """The event an envelope read (``payload`` may be the record's value or a part of it);
-    malformed when its id or type cannot be stored (the inbox keeps both as text)."""
-    problem = unstorable(event_id, "the event id")
+    malformed when its id or type cannot be stored (the inbox keeps both as text), or a
+    header name is not UTF-8 (an envelope reading it read what the producer did not send)."""
+    problem = undecoded(record.headers) or unstorable(event_id, "the event id")
     if problem is None and event_type is not None:
         problem = unstorable(event_type, "the event type")
     if problem is not None:

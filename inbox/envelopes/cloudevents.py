@@ -26,6 +26,7 @@ from inbox.envelopes.base import (
     check_id,
     compact_json,
     opened_event,
+    undecoded,
     unreadable,
     utf8,
 )
@@ -68,6 +69,11 @@ def decode(record: KafkaRecord) -> InboxEvent:
     headers: Headers = (
         tuple(raw_headers) if exact else tuple((n, bytes(v or b"")) for n, v in raw_headers)
     )
+    # A header name that is not UTF-8 comes in a tuple subclass (outbox/kafka/client.py
+    # UndecodedHeader): found on the copying path only, at no cost to the usual one.
+    if not exact and (problem := undecoded(raw_headers)) is not None:
+        event_type = None if raw_type is None else utf8(raw_type)
+        return unreadable(record, headers, problem, event_type)
     if (
         content_type is not None
         and content_type != b"application/json"  # the usual binary mode: one cheap test

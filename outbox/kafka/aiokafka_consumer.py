@@ -4,8 +4,8 @@ here (a refusal of the client :class:`~outbox.errors.BrokerRefused`, a group tha
 this member :class:`~outbox.errors.GroupError`, a commit the group took away
 :class:`~outbox.errors.CommitRefused`, the rest :class:`~outbox.errors.BrokerUnavailable`);
 what this client offers beyond the interface — the fetch wait the linger changes, the
-group generation static membership reads, the metadata watch — goes through
-outbox/kafka/aiokafka_internals.py.
+group generation static membership reads, the metadata watch, reading a header name that
+is not UTF-8 — goes through outbox/kafka/aiokafka_internals.py.
 """
 
 from __future__ import annotations
@@ -16,10 +16,11 @@ from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
 from aiokafka import AIOKafkaConsumer
+from aiokafka import __version__ as aiokafka_version
 from aiokafka.abc import ConsumerRebalanceListener
 from aiokafka.errors import CommitFailedError, IllegalStateError, KafkaError
 
-from outbox.errors import BrokerUnavailable, CommitRefused, GroupError
+from outbox.errors import BrokerUnavailable, CommitRefused, GroupError, RecordUnreadable
 from outbox.kafka import aiokafka_internals
 from outbox.kafka.client import Assigned, Partition
 from outbox.kafka.clients import start_kafka
@@ -53,6 +54,9 @@ class AioConsumer:
 
     # -- the interface -------------------------------------------------------------------
     async def start(self) -> None:
+        # A header name that is not UTF-8 comes as an UndecodedHeader, not as an error
+        # that fails the partition's every fetch (said at start when this aiokafka cannot).
+        aiokafka_internals.install_lenient_header_names()
         try:
             await start_kafka(self._consumer, self._settings)
         except KafkaError as exc:
@@ -73,6 +77,12 @@ class AioConsumer:
                 raise refused from exc
             # The group's errors, named (aiokafka wraps a join's error as KafkaError(repr)).
             raise GroupError(type(exc).__name__, str(exc) or type(exc).__name__) from exc
+        except UnicodeDecodeError as exc:  # only when the room could not read such names
+            raise RecordUnreadable(
+                f"aiokafka {aiokafka_version} cannot read a fetched record (a header name is "
+                f"not UTF-8: {exc.object[exc.start : exc.start + 8]!r}), so it cannot be "
+                "dead-lettered: see the WARNING at start on undecodable header names"
+            ) from exc
         return cast(dict[Partition, list[Any]], batches)
 
     def assignment(self) -> set[Partition]:

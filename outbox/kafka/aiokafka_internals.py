@@ -5,7 +5,8 @@ which broker answers a metadata or producer-id question (a hung broker otherwise
 start or a group coordinator lookup for a whole request timeout), one metadata request to
 a chosen broker (the leader watch, the consumer's metadata watch), failing the batches a
 dead broker holds when a producer is retired, changing a running consumer's fetch wait
-(fetch linger), and finishing the OAUTHBEARER exchange as RFC 7628 says. Each is named
+(fetch linger), finishing the OAUTHBEARER exchange as RFC 7628 says, and reading a record
+whose header name is not UTF-8 (aiokafka fails the whole fetch on it). Each is named
 here as a :class:`Capability` and reached through one function; callers never touch the
 private names themselves (``tests/unit/test_aiokafka_internals.py`` greps for them).
 
@@ -77,7 +78,22 @@ GROUP_GENERATION = Capability(
     "the member from each other in turn; the inbox still applies each event once)",
     "AIOKafkaConsumer._coordinator (generation, reset_generation), aiokafka.errors.kafka_errors",
 )
-CAPABILITIES = (BROKER_CHOICE, METADATA, ABANDON, FETCH_WAIT, OAUTH_EXCHANGE, GROUP_GENERATION)
+HEADER_NAMES = Capability(
+    "undecodable header names",
+    "a record whose header name is not UTF-8 stops the consumer (aiokafka fails every fetch "
+    "of its partition with UnicodeDecodeError) instead of being dead-lettered",
+    "aiokafka.consumer.fetcher.MemoryRecords, aiokafka.record.default_records "
+    "(_DefaultRecordBatchPy: _read_msg, _buffer, _pos; _DefaultRecordPy)",
+)
+CAPABILITIES = (
+    BROKER_CHOICE,
+    METADATA,
+    ABANDON,
+    FETCH_WAIT,
+    OAUTH_EXCHANGE,
+    GROUP_GENERATION,
+    HEADER_NAMES,
+)
 
 # Capability name -> why it is lost; None until checked. Process-wide, like aiokafka.
 _lost: dict[str, str] | None = None
@@ -180,6 +196,19 @@ def _probe_group_generation() -> str | None:
     )
 
 
+def _probe_header_names() -> str | None:
+    fetcher = _module("aiokafka.consumer.fetcher")
+    if not isinstance(getattr(fetcher, "MemoryRecords", None), type):
+        return "aiokafka.consumer.fetcher.MemoryRecords is gone"
+    records = _module("aiokafka.record.default_records")
+    for name in ("_DefaultRecordBatchPy", "_DefaultRecordPy"):
+        if not isinstance(getattr(records, name, None), type):
+            return f"aiokafka.record.default_records.{name} is gone"
+    from outbox.kafka.aiokafka_records import read_back
+
+    return _method(records._DefaultRecordBatchPy, "_read_msg") or read_back()
+
+
 _PROBES: dict[str, Callable[[], str | None]] = {
     BROKER_CHOICE.name: _probe_broker_choice,
     METADATA.name: _probe_metadata,
@@ -187,6 +216,7 @@ _PROBES: dict[str, Callable[[], str | None]] = {
     FETCH_WAIT.name: _probe_fetch_wait,
     OAUTH_EXCHANGE.name: _probe_oauth,
     GROUP_GENERATION.name: _probe_group_generation,
+    HEADER_NAMES.name: _probe_header_names,
 }
 
 
@@ -417,6 +447,32 @@ def reset_group_member(consumer: Any) -> bool:
     except AttributeError as exc:
         _lose(GROUP_GENERATION, exc)
         return False
+    return True
+
+
+# --------------------------------------------------------------- undecodable header names
+#
+# The lenient record reader is outbox/kafka/aiokafka_records.py: part of this room, a module
+# of its own for its size.
+
+
+def install_lenient_header_names() -> bool:
+    """Make every consumer's fetches read a header name that is not UTF-8 instead of
+    failing on it (process-wide, like aiokafka's fetcher). False when this aiokafka cannot
+    (such a record stops the consumer: :class:`~outbox.errors.RecordUnreadable`)."""
+    if not usable(HEADER_NAMES):
+        return False
+    from outbox.kafka.aiokafka_records import LenientRecords
+
+    class Installed(LenientRecords):
+        __slots__ = ()
+
+        @staticmethod
+        def lost(exc: BaseException) -> None:
+            _lose(HEADER_NAMES, exc)
+
+    fetcher = _module("aiokafka.consumer.fetcher")
+    fetcher.MemoryRecords = Installed
     return True
 
 

@@ -25,6 +25,16 @@ TopicPartition = tuple[str, int]
 PickBroker = Callable[[list[int]], int | None]
 
 
+class UndecodedHeader(tuple[str, bytes | None]):
+    """A consumed record's header whose name is not UTF-8 (Kafka's header names are
+    strings; a foreign producer can send any bytes): ``(name, value)`` as every header, the
+    name's bytes that are not UTF-8 escaped (``\\xff``). A client hands such a header in
+    this type, never a plain tuple, so that the inbox dead-letters the record
+    (inbox/envelopes) instead of reading a name the producer did not send."""
+
+    __slots__ = ()
+
+
 class Broker(NamedTuple):
     node_id: int
     host: str

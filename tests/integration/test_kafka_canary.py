@@ -189,6 +189,40 @@ async def test_a_group_members_generation_is_read_and_its_member_id_reset(
     assert aiokafka.errors.for_code(FENCED_INSTANCE_ID) is FencedInstanceIdError
 
 
+async def test_a_header_name_not_utf8_is_read_escaped_from_a_real_fetch(
+    kafka_bootstrap: str,
+    new_topic: Callable[..., Awaitable[str]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from aiokafka.consumer import fetcher
+
+    from outbox.kafka.client import UndecodedHeader
+    from tests.support.raw_headers import RawName, produce_raw_names
+
+    topic = await new_topic()
+    bad = RawName(b"n\xff")
+    await produce_raw_names(
+        kafka_bootstrap, topic, [(b"k", b"0", [("ok", b"")]), (b"k", b"1", [(bad, b"v")])]
+    )
+    await produce(kafka_bootstrap, topic, [(b"k", b"2", [])], partition=0)
+    monkeypatch.setattr(fetcher, "MemoryRecords", fetcher.MemoryRecords)  # put back after
+    assert aiokafka_internals.install_lenient_header_names()
+    consumer = AIOKafkaConsumer(
+        topic, bootstrap_servers=kafka_bootstrap, auto_offset_reset="earliest"
+    )
+    await consumer.start()
+    got: list[Any] = []
+    try:
+        deadline = time.monotonic() + 20
+        while len(got) < 3 and time.monotonic() < deadline:
+            batches = await consumer.getmany(timeout_ms=200)
+            got += [r for records in batches.values() for r in records]
+    finally:
+        await consumer.stop()
+    assert [r.value for r in got] == [b"0", b"1", b"2"]
+    assert got[1].headers == (("n\\xff", b"v"),) and type(got[1].headers[0]) is UndecodedHeader
+
+
 def test_the_oauthbearer_exchange_is_installed_over_aiokafkas() -> None:
     assert aiokafka_internals.install_oauth_exchange()
     installed = aiokafka.conn.OAuthAuthenticator

@@ -16,10 +16,15 @@ import aiokafka.conn
 import aiokafka.protocol.metadata
 import pytest
 from aiokafka.client import AIOKafkaClient
+from aiokafka.consumer import fetcher
 from aiokafka.producer.message_accumulator import MessageAccumulator
+from aiokafka.record import default_records
+from aiokafka.structs import TopicPartition
 
-from outbox.kafka import aiokafka_internals
+from outbox.kafka import aiokafka_internals, aiokafka_records
+from outbox.kafka.client import UndecodedHeader
 from tests.support import oauth_tokens
+from tests.support.raw_headers import RawName
 
 ROOT = Path(__file__).resolve().parents[2]
 # aiokafka's private names the project uses, and the private attributes behind them.
@@ -27,13 +32,16 @@ PRIVATE = re.compile(
     r"\._client\b|\._fetcher\b|_message_accumulator|get_random_node|_send_request"
     r"|OAuthAuthenticator|MetadataRequest|_fetch_min_bytes|_fetch_max_wait_ms"
     r"|_pending_batches|\bfail_all\b|\._coordinator\b|reset_generation|kafka_errors\["
+    r"|_DefaultRecord\w*Py\b|\b_read_msg\b|fetcher\.MemoryRecords\b"
 )
 # The room, and the tests that exercise it against aiokafka.
 ROOM = {
     "outbox/kafka/aiokafka_internals.py",
+    "outbox/kafka/aiokafka_records.py",  # the room's lenient record reader
     "tests/unit/test_aiokafka_internals.py",
     "tests/integration/test_kafka_canary.py",
     "tests/unit/test_membership.py",  # a fake of the consumer's coordinator
+    "tests/support/raw_headers.py",  # a producer of header names that are not UTF-8
 }
 SOURCES = ("outbox", "relay", "inbox", "cli", "bench", "examples", "tests", "scripts")
 
@@ -62,6 +70,8 @@ def test_the_grep_would_see_them() -> None:
         "c.get_random_node = f",
         "admin._send_request(r, n)",
         "aiokafka.conn.OAuthAuthenticator",
+        "records._DefaultRecordBatchPy",
+        "fetcher.MemoryRecords = _LenientRecords",
     ):
         assert PRIVATE.search(line), line
 
@@ -102,6 +112,12 @@ def test_this_aiokafka_has_every_capability(room: None, caplog: pytest.LogCaptur
         ),
         (MessageAccumulator, "fail_all", aiokafka_internals.ABANDON, "ack timeout"),
         (aiokafka.conn, "OAuthAuthenticator", aiokafka_internals.OAUTH_EXCHANGE, "OAUTHBEARER"),
+        (
+            default_records,
+            "_DefaultRecordBatchPy",
+            aiokafka_internals.HEADER_NAMES,
+            "header name is not UTF-8 stops the consumer",
+        ),
     ],
 )
 def test_a_vanished_internal_is_one_warning_naming_the_version_and_what_is_lost(
@@ -154,6 +170,7 @@ def test_each_function_falls_back_without_its_capability(
     assert not aiokafka_internals.abandon_queued(SimpleNamespace(), RuntimeError())
     assert aiokafka_internals.fetch_wait(SimpleNamespace()) is None
     assert not aiokafka_internals.install_oauth_exchange()
+    assert not aiokafka_internals.install_lenient_header_names()
 
 
 def test_an_internal_that_fails_in_use_is_lost_and_said_once(
@@ -192,3 +209,68 @@ async def test_a_rejected_token_gets_the_rfc_7628_reply_that_makes_the_broker_sa
     odd = exchange()
     await odd.step(None)  # type: ignore[attr-defined]
     assert await odd.step(b"not json") is None  # type: ignore[attr-defined]
+
+
+# ------------------------------------------------------------- undecodable header names
+
+
+def _batch(base: int, records: list[tuple[bytes, list[tuple[str, bytes]]]], codec: int) -> bytes:
+    # aiokafka's pure-Python builder: it sends a RawName's bytes (tests/support/raw_headers.py).
+    builder = default_records._DefaultRecordBatchBuilderPy(
+        magic=2,
+        compression_type=codec,
+        is_transactional=0,
+        producer_id=-1,
+        producer_epoch=-1,
+        base_sequence=-1,
+        batch_size=1 << 20,
+    )
+    for delta, (value, headers) in enumerate(records):
+        builder.append(delta, timestamp=1_000 + delta, key=b"k", value=value, headers=headers)
+    data = bytearray(builder.build())
+    data[:8] = base.to_bytes(8, "big")  # the broker sets the base offset
+    return bytes(data)
+
+
+@pytest.mark.parametrize("codec", [0, 1], ids=["plain", "gzip"])
+def test_a_header_name_not_utf8_is_read_escaped_and_the_fetch_goes_on(
+    room: None, monkeypatch: pytest.MonkeyPatch, codec: int
+) -> None:
+    # One fetch, read as aiokafka's fetcher reads it: two batches, the bad record inside
+    # the first, good ones before and after it and in the next batch.
+    bad = RawName(b"user-\xff\xfename")
+    data = _batch(
+        0,
+        [(b"a", [("ok", b"1")]), (b"b", [("ce_id", b"x"), (bad, b"v\xff")]), (b"c", [])],
+        codec,
+    ) + _batch(3, [(b"d", [("ok", b"4")])], codec)
+    tp = TopicPartition("t", 0)
+
+    def read() -> list[object]:
+        records = fetcher.MemoryRecords(data)
+        return list(fetcher.PartitionRecords(tp, records, [], 0, None, None, True, 0))
+
+    with pytest.raises(UnicodeDecodeError):  # aiokafka alone: the fetch fails
+        read()
+    monkeypatch.setattr(fetcher, "MemoryRecords", fetcher.MemoryRecords)  # put back after
+    assert aiokafka_internals.install_lenient_header_names()
+    got = read()
+    assert [(r.offset, r.value) for r in got] == [(0, b"a"), (1, b"b"), (2, b"c"), (3, b"d")]
+    assert got[1].headers == (("ce_id", b"x"), ("user-\\xff\\xfename", b"v\xff"))
+    assert [type(h) for h in got[1].headers] == [tuple, UndecodedHeader]
+    assert all(type(h) is tuple for r in got if r is not got[1] for h in r.headers)
+    assert got[1].timestamp == 1_001 and got[1].key == b"k"
+
+
+def test_a_reader_that_no_longer_reads_such_a_record_is_lost_at_start(
+    room: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # An aiokafka whose record type took other arguments: the start check reads a record
+    # back and sees it, instead of a consumer failing on the first such record.
+    monkeypatch.setattr(default_records, "_DefaultRecordPy", lambda *args: None)
+    aiokafka_records._lenient_class.cache_clear()
+    try:
+        lost = aiokafka_internals.check(again=True)
+    finally:
+        aiokafka_records._lenient_class.cache_clear()
+    assert set(lost) == {aiokafka_internals.HEADER_NAMES.name}

@@ -29,6 +29,7 @@ from inbox.envelopes import (
 from inbox.envelopes.base import EVENT_ID_HEADER
 from inbox.errors import EnvelopeError, Unreadable
 from inbox.event import InboxEvent
+from outbox.kafka.client import UndecodedHeader
 from tests.support.records import Rec
 
 
@@ -404,3 +405,36 @@ def test_binary_mode_passes_the_value_through_untouched() -> None:
     raw = base64.b64encode(b"x")
     e = decode("cloudevents", rec(raw, {"ce_id": b"i", "ce_type": b"t"}))
     assert e.value == raw and e.received_value is None and e.attributes is None
+
+
+# ------------------------------------------------- a header name that is not UTF-8
+
+
+@pytest.mark.parametrize(
+    ("envelope", "headers", "value"),
+    [
+        ("cloudevents", {"ce_id": b"e-1", "ce_type": b"t"}, b"{}"),
+        ("cloudevents", {"content-type": b"application/cloudevents+json"}, b"{}"),
+        ("debezium", {"id": b"e-1"}, b'{"a": 1}'),
+        (Generic(id=Header("message-id")), {"message-id": b"e-1"}, b"{}"),
+        (lambda r: Opened(event_id="e-1", payload=r.value), {}, b"{}"),
+    ],
+    ids=["binary", "structured", "debezium", "generic", "users"],
+)
+def test_a_header_name_not_utf8_makes_the_record_malformed_whatever_the_envelope(
+    envelope: Any, headers: dict[str, bytes], value: bytes
+) -> None:
+    # The Kafka client hands such a header as an UndecodedHeader, its name escaped: read as
+    # a name, it would be one the producer did not send.
+    if envelope == "cloudevents" and "content-type" in headers:
+        value = json.dumps(
+            {"id": "e-1", "type": "t", "source": "urn:x", "specversion": "1.0"}
+        ).encode()
+    bad = UndecodedHeader(("user-\\xffname", b"v\xff"))
+    record = Rec(value=value, headers=(*headers.items(), bad))
+    e = decode(envelope, record)
+    assert e.malformed == "header name user-\\xffname is not UTF-8 (its bytes shown escaped, \\xNN)"
+    assert e.event_id == "t:2:7"  # its position: the dead letter is deduplicated by it
+    assert e.headers[-1] == ("user-\\xffname", b"v\xff") and e.value == value
+    # Without it, the same record is read.
+    assert not decode(envelope, Rec(value=value, headers=tuple(headers.items()))).malformed
