@@ -349,7 +349,7 @@ class ConsumerDaemon:
                     if refusal is None:
                         raise
                     raise refusal from exc  # the broker's error name stays the cause
-                linger.fetched(sum(map(len, batches.values())))
+                linger.fetched(bool(batches))
                 if batches:
                     self.kafka.ok()  # records arrived: Kafka is back (if it was gone)
                 for tp, records in batches.items():

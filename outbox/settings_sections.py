@@ -260,12 +260,11 @@ class ConsumerSettings(_Section):
         5,
         ge=0,
         le=1000,
-        description="While records flow densely (enough that one such window would gather "
-        "3 or more: above 600 records/s at 5 ms), a fetch waits up to this long for more (the "
-        "broker holds it), so that one fetch and one transaction carry several events: less "
-        "CPU per event at steady rates (see the consumer's performance page), at most this "
-        "much added latency (half on average). A lighter stream, and the first record after "
-        "a quiet spell, is fetched at once; 0 = never wait. Off when the app sets "
+        description="While records flow, a fetch waits up to this long for more (the broker "
+        "holds it), so that one fetch and one transaction carry several events: less CPU per "
+        "event at steady rates (see the consumer's performance page), at most this much added "
+        "latency (half on average). The first "
+        "record after a quiet spell is fetched at once; 0 = never wait. Off when the app sets "
         "fetch_min_bytes or fetch_max_wait_ms itself.",
     )
     offset_commit_interval_ms: int = Field(

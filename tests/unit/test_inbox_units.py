@@ -67,8 +67,8 @@ def test_decode_makes_odd_header_values_bytes_and_the_last_id_wins() -> None:
     assert decode(Rec(headers=(("ce_id", b"a"), ("ce_id", None), ("ce_type", b"x")))).malformed  # type: ignore[arg-type]
 
 
-def test_fetch_linger_holds_fetches_only_while_records_flow_densely() -> None:
-    from inbox.linger import LINGER_MIN_BYTES, RATE_SECONDS, FetchLinger
+def test_fetch_linger_holds_fetches_only_while_records_flow() -> None:
+    from inbox.linger import LINGER_MIN_BYTES, FetchLinger
 
     # A consumer's fetch settings as the client interface reads and changes them
     # (aiokafka's are tested in test_aiokafka_internals.py and the canary).
@@ -85,39 +85,20 @@ def test_fetch_linger_holds_fetches_only_while_records_flow_densely() -> None:
             self.wait = (min_bytes, max_wait_ms)
             return True
 
-    now = [0.0]
     consumer, off, renamed = _Consumer((1, 500)), _Consumer((1, 500)), _Consumer(None)
-    linger = FetchLinger(consumer, 5, clock=lambda: now[0])  # type: ignore[arg-type]
-
-    def stream(rate: float, seconds: float, per_fetch: int) -> None:
-        """Fetches of ``per_fetch`` records each at ``rate`` records/s."""
-        for _ in range(int(rate * seconds / per_fetch)):
-            now[0] += per_fetch / rate
-            linger.fetched(per_fetch)
-
-    linger.fetched(0)
+    linger = FetchLinger(consumer, 5)  # type: ignore[arg-type]
+    linger.fetched(False)
     assert consumer.wait == (1, 500)
-    # 200 records/s: a 5 ms window would hold one record; each goes at its first byte.
-    stream(200, 3 * RATE_SECONDS, 1)
-    assert consumer.wait == (1, 500)
-    # 1,000 records/s (5 per window): lingering gathers them, from the next period on.
-    stream(1000, 2 * RATE_SECONDS, 2)
+    linger.fetched(True)
     assert consumer.wait == (LINGER_MIN_BYTES, 5)
-    # 400 records/s: 2 per window, between the two lines: it stays on...
-    stream(400, 2 * RATE_SECONDS, 2)
-    assert consumer.wait == (LINGER_MIN_BYTES, 5)
-    # ...and goes off at 200, and at once on a quiet spell.
-    stream(200, 2 * RATE_SECONDS, 1)
-    assert consumer.wait == (1, 500)
-    stream(1000, 2 * RATE_SECONDS, 2)
-    assert consumer.wait == (LINGER_MIN_BYTES, 5)
-    linger.fetched(0)
+    linger.fetched(True)
+    linger.fetched(False)  # a quiet spell: the next record is fetched at once
     assert consumer.wait == (1, 500)
     # Off: never touches the consumer; a client without these settings turns it off.
-    FetchLinger(off, 0).fetched(100)  # type: ignore[arg-type]
+    FetchLinger(off, 0).fetched(True)  # type: ignore[arg-type]
     assert off.wait == (1, 500)
     lost = FetchLinger(renamed, 5)  # type: ignore[arg-type]
-    lost.fetched(1)
+    lost.fetched(True)
     assert lost.linger_ms == 0 and renamed.wait is None
 
 
