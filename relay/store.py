@@ -12,7 +12,6 @@ Statements are composed with ``psycopg.sql`` so that the configured schema and t
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -22,6 +21,7 @@ from psycopg import sql
 
 from outbox.ops.store import VACUUM_HOLDERS
 from outbox.settings import OutboxSettings
+from outbox.wake import namespace_base
 from relay.event import (
     CE_ID,
     CE_TIME,
@@ -42,12 +42,6 @@ from relay.event import (
 
 # Payload bytes per statement when events are put back or moved (see RelayStore.restore_chunks).
 RESTORE_CHUNK_BYTES = 4 * 1024 * 1024
-
-
-def namespace_base(schema: str, prefix: str) -> int:
-    """What every advisory-lock namespace of one deployment starts from: derived from schema
-    and prefix so that two deployments sharing one database never contend."""
-    return zlib.crc32(f"{schema}.{prefix}".encode()) & 0x0FFFFFFF
 
 
 def namespaces(schema: str, prefix: str) -> tuple[int, int, int]:

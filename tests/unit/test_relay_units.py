@@ -269,3 +269,28 @@ def test_status_figures_are_integers_and_unknown_while_the_database_is_down() ->
     assert down["outbox_dead_tuples"] == down["oldest_snapshot_seconds"] == "unknown"
     down = metrics.status()
     assert down["published"] == 3  # what this relay counted itself stays known
+
+
+def test_a_pipeline_woken_for_nothing_again_and_again_polls_without_a_wake_slot_a_while() -> None:
+    from relay.sources.table.wakes import FRUITLESS_WAKES, PAUSE_SECONDS, WakePolicy
+
+    wakes = WakePolicy()
+    assert wakes.wakeable(0.0)
+    # Empty claims after timed sleeps, and wake-ups that found rows, are no reason to stop.
+    for t in range(10):
+        wakes.claimed(0, False, float(t))
+        wakes.claimed(5, True, t + 0.5)
+    assert wakes.wakeable(10.0)
+    # Wake-ups in a row that found nothing (another relay's lanes had the rows): a pause.
+    for i in range(FRUITLESS_WAKES - 1):
+        wakes.claimed(0, True, 10.0 + i)
+        assert wakes.wakeable(10.0 + i)
+    wakes.claimed(0, True, 20.0)
+    assert not wakes.wakeable(20.0 + PAUSE_SECONDS / 2)
+    assert wakes.wakeable(20.0 + PAUSE_SECONDS)
+    # A claim with rows in between starts the count again.
+    wakes.claimed(0, True, 30.0)
+    wakes.claimed(1, False, 30.1)
+    wakes.claimed(0, True, 30.2)
+    wakes.claimed(0, True, 30.3)
+    assert wakes.wakeable(30.4)

@@ -11,12 +11,15 @@ lane's next rows are only claimed after that commit, so a batch is fully settled
 its lane moves on; an unacknowledged row keeps its id and is sent again before anything
 that follows it.
 
-Wake-ups: adaptive polling, no NOTIFY: PostgreSQL serializes the commits of notifying
-transactions, and a trigger notifying per transaction cut producers' commit throughput by
-more than half (docs/performance/relay.md). Producers' commit throughput matters more than
-the few milliseconds NOTIFY would save, so the relay polls: immediately again after a full
-batch, after ``min_poll_interval_seconds`` after a partial one, and doubling up to
-``poll_interval_seconds`` while the outbox is empty.
+Wake-ups: adaptive polling, plus a NOTIFY only while a relay sleeps. PostgreSQL
+serializes the commits of notifying transactions, and a trigger notifying per transaction
+cut producers' commit throughput by more than half (docs/performance/relay.md), so the
+relay polls: immediately again after a full batch, after ``min_poll_interval_seconds``
+after a partial one, and doubling up to ``poll_interval_seconds`` while the outbox is
+empty. A claim that finds nothing takes a wake slot with its COMMIT (outbox/wake.py), and
+then the sleep after it ends at the first producer's commit; while no relay holds a slot
+producers notify no one. A claim that finds rows gives the slot back when it commits, so a
+stream that keeps the relay busy costs producers nothing.
 
 What Kafka did not acknowledge gets the one verdict of relay/verdict.py, carried out in the
 claiming transaction: put back (same id, same place in its lane) with its attempts and
@@ -49,8 +52,9 @@ from relay.sources.table.claimers import Claimers
 from relay.sources.table.cursor import ClaimCursors
 from relay.sources.table.lanes import LaneManager
 from relay.sources.table.store import CLAIM_SESSION_SETTINGS, ClaimStore
+from relay.sources.table.wakes import WakePolicy
 from relay.verdict import Verdicts
-from relay.waiting import sleep_unless
+from relay.waiting import drop_notifications, sleep_unless, sleep_unless_notified
 
 log = logging.getLogger("relay.pipeline")
 
@@ -88,6 +92,9 @@ class Pipeline:
         self._verdicts = verdicts
         self._guard = guard
         self._conn: Connection | None = None
+        self._slot: int | None = None  # the wake slot this session holds (outbox/wake.py)
+        self._drained_at = -1e9  # loop time the session's notification backlog was dropped
+        self._poll_next = False  # rows became due as the slot was taken: the next sleep polls
         self._rotation = 0
         self._tried_at = -1e9  # loop time this pipeline last claimed (Kafka down: a probe)
 
@@ -104,6 +111,8 @@ class Pipeline:
         idle = r.min_poll_interval_seconds
         loop = asyncio.get_running_loop()
         last_rows = -_STAY_HOT_SECONDS
+        woken = False  # the last sleep was ended by a notification
+        wakes = WakePolicy()
         try:
             while not stopping.is_set():
                 if not await self._kafka_ready(stopping):
@@ -119,7 +128,7 @@ class Pipeline:
                     if self._conn is None:
                         self._conn = await self._connect()
                     started = loop.time()
-                    claimed = await self._batch(lanes)
+                    claimed = await self._batch(lanes, wakes.wakeable(loop.time()))
                     self._guard.ok()
                 except DATABASE_ERRORS as exc:
                     # By the SQLSTATE table (outbox/dberrors.py): a full disk or a read-only
@@ -132,6 +141,8 @@ class Pipeline:
                 # The short interval runs from the start of one claim to the next: the time
                 # a batch spent waiting for acks already counts towards it.
                 short = started + r.min_poll_interval_seconds - now
+                wakes.claimed(claimed, woken, now)
+                woken = False
                 if claimed > 0:
                     self._claimers.settled(now - started)
                     last_rows, idle = now, r.min_poll_interval_seconds
@@ -141,13 +152,31 @@ class Pipeline:
                     # An empty poll amid a steady stream is a gap between events, not
                     # the end of the stream: backing off here would add the backoff to
                     # the next event's latency (tens of ms at the tail).
-                    if short > 0:
-                        await sleep_unless(stopping, short)
+                    woken = await self._sleep(stopping, short)
                 else:
-                    await sleep_unless(stopping, idle)
+                    woken = await self._sleep(stopping, idle)
                     idle = min(idle * 2, r.poll_interval_seconds)
         finally:
             await self._close()
+
+    async def _sleep(self, stopping: asyncio.Event, seconds: float) -> bool:
+        """Sleep after an empty claim; a producer's commit ends it while this session holds
+        a wake slot (then True). Without a slot, notifications meant for other sleeping
+        relays pile up in the session's backlog: they are dropped once a second."""
+        conn = self._conn
+        poll, self._poll_next = self._poll_next, False
+        try:
+            if self._slot is not None and conn is not None and not poll:
+                return await sleep_unless_notified(conn, stopping, seconds)
+            now = asyncio.get_running_loop().time()
+            if conn is not None and now >= self._drained_at + 1:
+                self._drained_at = now
+                await drop_notifications(conn)
+        except psycopg.Error:
+            await self._close()  # the next claim connects again (and reports an outage)
+            return False
+        await sleep_unless(stopping, seconds)
+        return False
 
     async def _connect(self) -> Connection:
         # Unprepared: the claim is never prepared (see _batch), and preparing BEGIN, COMMIT
@@ -155,13 +184,15 @@ class Pipeline:
         conn = await self._database.connect(f"outbox-relay-{self._index}")
         try:
             await conn.execute(CLAIM_SESSION_SETTINGS)
+            await conn.execute(self._store.listen)
         except BaseException:
             await conn.close()
             raise
         return conn
 
     async def _close(self) -> None:
-        conn, self._conn = self._conn, None
+        # The session's locks, its wake slot among them, end with it.
+        conn, self._conn, self._slot = self._conn, None, None
         if conn is not None and not conn.closed:
             with contextlib.suppress(psycopg.Error):
                 await conn.close()
@@ -195,7 +226,9 @@ class Pipeline:
         await sleep_unless(stopping, self._publisher.release_within(delay))
         return True
 
-    async def _batch(self, lanes: list[int]) -> int:
+    async def _batch(self, lanes: list[int], wakeable: bool = False) -> int:
+        """One claim, its publish and its settlement; ``wakeable``: if it finds nothing,
+        take a wake slot for the sleep that follows (unless all are taken)."""
         conn = self._conn
         assert conn is not None
         loop = asyncio.get_running_loop()
@@ -211,9 +244,20 @@ class Pipeline:
         # because psycopg's transaction() syncs right after BEGIN in a pipeline.
         fresh = [lane for lane in lanes if lane in self._lanes.fresh]
         settled: list[int] = []
+        # A statement taking or giving back the wake slot is unanswered: should the batch
+        # fail meanwhile, whether the session holds a slot is unknown, and a slot held by
+        # mistake would make producers notify for nothing until the session ends.
+        unsure = False
+        slot = due = None
         try:
             async with conn.pipeline():
                 await conn.execute(b"BEGIN")
+                if not wakeable and self._slot is not None:
+                    # Kept by a batch rolled back on purpose after claiming rows, or by a
+                    # pipeline that stopped taking slots for a while.
+                    unsure = True
+                    await conn.execute(self._store.release_wake_slot, {"slot": self._slot})
+                    self._slot = None
                 # The fences first, in a statement of their own: the claim's snapshot must be
                 # taken with them held (relay/sources/table/store.py, the module docstring).
                 await conn.execute(self._store.fence, {"lanes": lanes})
@@ -247,6 +291,13 @@ class Pipeline:
                         },
                     )
                 rows = cast(list[Event], await cur.fetchall())
+                if not rows and wakeable and self._slot is None:
+                    # Nothing to claim: a sleep follows, which a producer's commit may end
+                    # (outbox/wake.py). The slot, then a look at what became due meanwhile,
+                    # in the COMMIT's round trip.
+                    slot, due, unsure = conn.cursor(), conn.cursor(), True
+                    await slot.execute(self._store.take_wake_slot)
+                    await due.execute(self._store.due, {"lanes": lanes, "after": start.after})
                 self._claimers.claimed(rows)
                 # Drop libpq's copy of the result (as large as the rows) before the
                 # producer makes its own.
@@ -265,8 +316,21 @@ class Pipeline:
                     if len(outcome.acked) < len(rows):
                         await self._settle(conn, rows, outcome)
                 await conn.execute(b"COMMIT")
+                if slot is not None and due is not None:
+                    taken, found = await slot.fetchone(), await due.fetchone()
+                    self._slot, unsure = (int(taken[0]) if taken else None), False
+                    # Rows came meanwhile: poll for them, no wake-up will say so.
+                    self._poll_next = bool(found and found[0])
+                elif rows and self._slot is not None:
+                    # Busy again: no sleep follows, so producers need not notify.
+                    unsure = True
+                    await conn.execute(self._store.release_wake_slot, {"slot": self._slot})
+            self._slot, unsure = (None if rows else self._slot), False
         except BaseException as exc:
-            await self._abort(conn)
+            if unsure:
+                await self._close()
+            else:
+                await self._abort(conn)
             if not isinstance(exc, psycopg.Rollback):
                 raise
             settled = []  # undone with the rest: taken over again by the next claim

@@ -65,6 +65,7 @@ from functools import cached_property
 from psycopg import sql
 
 from outbox.settings import OutboxSettings
+from outbox.wake import WAKE_SLOTS, wake_channel, wake_namespace
 from relay.store import RelayStore, namespaces
 
 # Session settings of the relay's claim connections. The outbox swings between empty, huge and full
@@ -140,6 +141,59 @@ class ClaimStore(RelayStore):
     @cached_property
     def _ns(self) -> tuple[int, int, int]:
         return namespaces(self.schema, self.prefix)
+
+    # -- wake-ups (outbox/wake.py) -----------------------------------------------------
+    @cached_property
+    def listen(self) -> bytes:
+        """Receive the producers' wake-ups on this session (once, at connect)."""
+        channel = sql.Identifier(wake_channel(self.schema, self.prefix))
+        return sql.SQL("LISTEN {}").format(channel).as_bytes(None)
+
+    @cached_property
+    def take_wake_slot(self) -> bytes:
+        """A free wake slot for this session, as a session lock: one row (the slot), or
+        none when all are taken (the session then polls without a wake-up). Sent after a
+        claim that found nothing, followed by :attr:`due`: see outbox/wake.py."""
+        return (
+            sql.SQL(
+                "SELECT s FROM generate_series(0, {last}) AS s"
+                " WHERE pg_try_advisory_lock({ns}, s) LIMIT 1"
+            )
+            .format(
+                last=sql.Literal(WAKE_SLOTS - 1),
+                ns=sql.Literal(wake_namespace(self.schema, self.prefix)),
+            )
+            .as_bytes(None)
+        )
+
+    @cached_property
+    def due(self) -> bytes:
+        """Params: lanes, after (as for :attr:`claim`). Whether any row of these lanes is
+        due, in a snapshot taken after :attr:`take_wake_slot`: a row committed between the
+        empty claim and the slot (its producer saw no slot held, so it did not notify) is
+        seen here, and the relay polls instead of waiting for a wake-up. The statement's
+        clock, not the transaction's: those rows' ``available_at`` is later than the
+        claim's ``now()``. Rows other claims hold count too (the relay then polls)."""
+        return (
+            sql.SQL(
+                "SELECT EXISTS (SELECT FROM unnest(%(lanes)s::int4[], %(after)s::int8[])"
+                " AS u(lane, after) CROSS JOIN LATERAL ("
+                "  SELECT FROM {events} e WHERE e.lane = u.lane AND e.id > u.after"
+                "  AND e.published_at IS NULL AND e.available_at <= statement_timestamp()"
+                "  LIMIT 1) c)"
+            )
+            .format(events=self._events)
+            .as_bytes(None)
+        )
+
+    @cached_property
+    def release_wake_slot(self) -> bytes:
+        """Params: slot. Producers stop notifying for this session."""
+        return (
+            sql.SQL("SELECT pg_advisory_unlock({ns}, %(slot)s::int4)")
+            .format(ns=sql.Literal(wake_namespace(self.schema, self.prefix)))
+            .as_bytes(None)
+        )
 
     # -- claim / acknowledge ----------------------------------------------------------
     @cached_property

@@ -14,7 +14,7 @@ from functools import cached_property
 from psycopg import sql
 
 from outbox.settings import OutboxSettings
-from relay.store import namespace_base
+from outbox.wake import namespace_base
 
 
 def lsn_text(lsn: int) -> str:
