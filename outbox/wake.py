@@ -11,19 +11,20 @@ notifies only while some relay sleeps, which is exactly when the stream is too l
 that lock to matter:
 
 * a relay about to sleep holds one of ``WAKE_SLOTS`` session advisory locks (exclusive) in
-  the wake namespace, taken in the same round trip as its last claim and before it;
+  the wake namespace, taken after a claim that found nothing, in its COMMIT's round trip,
+  followed by a look at what became due meanwhile;
 * a statement-level trigger on the outbox table (``AFTER INSERT``: whatever inserts, the
   producer helpers, an application's own SQL, ``outbox failed retry``) tries each slot in
   shared mode, transaction-level. All granted: no relay sleeps, nothing else happens (the
   shared locks cost no I/O and go at commit). One refused: ``pg_notify`` on the
   deployment's channel, delivered at commit to every listening relay.
 
-No lost wake-up: a relay that got a slot then claims. A producer transaction that inserted
-before the slot was taken still holds its shared lock until it commits, so the relay's
-exclusive attempt fails while it is open (the relay then polls as it always did); if it
-committed before, the claim (a later snapshot) sees its rows. A producer whose trigger runs
-after the slot was taken notifies. A notification that arrives late or for rows already
-claimed costs one empty claim. Relays without the trigger (a schema from users' own Alembic
+No lost wake-up: a producer transaction that inserted before the slot was taken still
+holds its shared lock until it commits, so the relay's exclusive attempt fails while it is
+open (the relay then polls as it always did); if it committed before, the look at what is
+due (a snapshot taken after the slot) sees its rows, and the relay polls for them. A
+producer whose trigger runs after the slot was taken notifies. A notification that
+arrives late or for rows already claimed costs one empty claim. Relays without the trigger (a schema from users' own Alembic
 history), or more sleeping sessions than slots, fall back to plain polling.
 """
 
