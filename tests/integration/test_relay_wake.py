@@ -20,6 +20,11 @@ from outbox.wake import WAKE_SLOTS, wake_channel, wake_namespace
 from tests.support.relay import RelayProcess, pending, publish_numbered, read_ids, relay_env
 
 pytestmark = pytest.mark.integration
+# Wake slots held (the namespace's advisory locks of two keys).
+_HELD = (
+    "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted"
+    " AND classid = %s AND objsubid = 2"
+)
 
 
 @pytest.fixture
@@ -114,12 +119,36 @@ def _until_sleeping(
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
         assert relay.alive(), relay.log()
-        (held,) = watch.execute(
-            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted"
-            " AND classid = %s AND objsubid = 2",
-            (ns,),
-        ).fetchone() or (0,)
+        (held,) = watch.execute(_HELD, (ns,)).fetchone() or (0,)
         if held:
             return
         time.sleep(0.05)
     raise AssertionError(f"the relay never slept with a wake slot: {relay.log()}")
+
+
+async def test_without_the_trigger_the_relay_polls_as_before(
+    engine: Engine,
+    settings: OutboxSettings,
+    new_topic: Callable[..., Awaitable[str]],
+    tmp_path: Path,
+) -> None:
+    # A schema from a team's own Alembic history has no trigger: no slot is worth holding
+    # (no producer would notify), so the relay keeps its polling schedule.
+    topic = await new_topic(partitions=1)
+    events = f'"{settings.db_schema}"."{settings.table_prefix}events"'
+    with engine.begin() as conn:
+        conn.exec_driver_sql(f'DROP TRIGGER "{settings.table_prefix}wake_relay" ON {events}')
+    relay = RelayProcess(relay_env(settings), tmp_path, "relay")
+    ns = wake_namespace(settings.db_schema, settings.table_prefix)
+    try:
+        await asyncio.sleep(3)  # registered, lanes taken, polls long empty
+        with psycopg.connect(settings.libpq_dsn, autocommit=True) as watch:
+            assert watch.execute(_HELD, (ns,)).fetchone() == (0,)
+        started = time.monotonic()
+        publish_numbered(engine, settings, topic, 1)
+        # Within the idle backoff (0.2 s at most) and a round trip.
+        assert await asyncio.to_thread(_published, engine, settings, started) < 1.0
+    finally:
+        code, _ = relay.terminate()
+    assert code == 0, relay.log()
+    assert "no wake-up trigger" in relay.log()

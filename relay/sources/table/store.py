@@ -150,6 +150,15 @@ class ClaimStore(RelayStore):
         return sql.SQL("LISTEN {}").format(channel).as_bytes(None)
 
     @cached_property
+    def wake_trigger(self) -> sql.Composed:
+        """Whether the outbox table has the wake-up trigger, enabled (migration 0012; a
+        schema from users' own Alembic history has none). One row, a boolean."""
+        return sql.SQL(
+            "SELECT EXISTS (SELECT FROM pg_trigger WHERE tgrelid = {table}::regclass"
+            " AND tgname = {name} AND tgenabled <> 'D')"
+        ).format(table=self._events_name, name=sql.Literal(f"{self.prefix}wake_relay"))
+
+    @cached_property
     def take_wake_slot(self) -> bytes:
         """A free wake slot for this session, as a session lock: one row (the slot), or
         none when all are taken (the session then polls without a wake-up). Sent after a
