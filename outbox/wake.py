@@ -24,8 +24,9 @@ holds its shared lock until it commits, so the relay's exclusive attempt fails w
 open (the relay then polls as it always did); if it committed before, the look at what is
 due (a snapshot taken after the slot) sees its rows, and the relay polls for them. A
 producer whose trigger runs after the slot was taken notifies. A notification that
-arrives late or for rows already claimed costs one empty claim. Relays without the trigger (a schema from users' own Alembic
-history), or more sleeping sessions than slots, fall back to plain polling.
+arrives late or for rows already claimed costs one empty claim. Relays without the trigger
+(a schema from users' own Alembic history), or more sleeping sessions than slots, fall back
+to plain polling.
 """
 
 from __future__ import annotations
