@@ -6,7 +6,8 @@ Test-only, and in this process only while :func:`produce_raw_names` runs."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import aiokafka.producer.message_accumulator as accumulator
@@ -29,6 +30,23 @@ class RawName(str):
         return self.raw
 
 
+@contextlib.contextmanager
+def raw_name_builders() -> Iterator[None]:
+    """While it lasts, aiokafka producers of this process send :class:`RawName` header
+    names as their bytes (its pure-Python batch builder, slower, the same format)."""
+    # Where aiokafka's producer sizes (producer, 0.13 and later) and builds (accumulator)
+    # its batches.
+    modules = [m for m in (accumulator, producer_module) if hasattr(m, "DefaultRecordBatchBuilder")]
+    builders: list[Any] = [m.DefaultRecordBatchBuilder for m in modules]
+    for module in modules:
+        module.DefaultRecordBatchBuilder = default_records._DefaultRecordBatchBuilderPy
+    try:
+        yield
+    finally:
+        for module, builder in zip(modules, builders, strict=True):
+            module.DefaultRecordBatchBuilder = builder
+
+
 async def produce_raw_names(
     bootstrap: str,
     topic: str,
@@ -37,22 +55,17 @@ async def produce_raw_names(
 ) -> None:
     """Produce ``records`` (key, value, headers) in order, in batches as a producer
     lingering 5 ms makes them, header names given as :class:`RawName` sent as their bytes."""
-    # Where aiokafka's producer sizes (producer, 0.13 and later) and builds (accumulator)
-    # its batches.
-    modules = [m for m in (accumulator, producer_module) if hasattr(m, "DefaultRecordBatchBuilder")]
-    builders: list[Any] = [m.DefaultRecordBatchBuilder for m in modules]
-    for module in modules:
-        module.DefaultRecordBatchBuilder = default_records._DefaultRecordBatchBuilderPy
-    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=5)
-    await producer.start()
-    try:
-        futures = [
-            await producer.send(topic, value, key=key, headers=list(headers), partition=partition)
-            for key, value, headers in records
-        ]
-        for future in futures:
-            await future
-    finally:
-        await producer.stop()
-        for module, builder in zip(modules, builders, strict=True):
-            module.DefaultRecordBatchBuilder = builder
+    with raw_name_builders():
+        producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=5)
+        await producer.start()
+        try:
+            futures = [
+                await producer.send(
+                    topic, value, key=key, headers=list(headers), partition=partition
+                )
+                for key, value, headers in records
+            ]
+            for future in futures:
+                await future
+        finally:
+            await producer.stop()
