@@ -49,6 +49,11 @@ def wake_namespace(schema: str, prefix: str) -> int:
     return namespace_base(schema, prefix) | 0x60000000
 
 
+def trigger_name(prefix: str) -> str:
+    """The trigger's name, and its function's (in the deployment's schema)."""
+    return f"{prefix}wake_relay"
+
+
 def wake_channel(schema: str, prefix: str) -> str:
     """The deployment's NOTIFY channel: short (channel names stop at 63 bytes) and free
     of characters LISTEN would need quoted."""

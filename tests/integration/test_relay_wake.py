@@ -16,7 +16,7 @@ from sqlalchemy import Engine
 from outbox import Outbox
 from outbox.envelope import Message
 from outbox.settings import OutboxSettings
-from outbox.wake import WAKE_SLOTS, wake_channel, wake_namespace
+from outbox.wake import WAKE_SLOTS, trigger_name, wake_channel, wake_namespace
 from tests.support.relay import RelayProcess, pending, publish_numbered, read_ids, relay_env
 
 pytestmark = pytest.mark.integration
@@ -137,7 +137,7 @@ async def test_without_the_trigger_the_relay_polls_as_before(
     topic = await new_topic(partitions=1)
     events = f'"{settings.db_schema}"."{settings.table_prefix}events"'
     with engine.begin() as conn:
-        conn.exec_driver_sql(f'DROP TRIGGER "{settings.table_prefix}wake_relay" ON {events}')
+        conn.exec_driver_sql(f'DROP TRIGGER "{trigger_name(settings.table_prefix)}" ON {events}')
     relay = RelayProcess(relay_env(settings), tmp_path, "relay")
     ns = wake_namespace(settings.db_schema, settings.table_prefix)
     try:

@@ -8,7 +8,7 @@ Revises: 0011
 from alembic import op
 
 from outbox.migrations.naming import current, qualified
-from outbox.wake import trigger_function_sql
+from outbox.wake import trigger_function_sql, trigger_name
 
 revision = "0012"
 down_revision = "0011"
@@ -19,12 +19,12 @@ depends_on = None
 def _names() -> tuple[str, str, str, str, str]:
     schema, prefix = current(op)
     prep = op.get_context().dialect.identifier_preparer
-    function = qualified(op, schema, f"{prefix}wake_relay")
+    function = qualified(op, schema, trigger_name(prefix))
     return (
         schema,
         prefix,
         function,
-        prep.quote(f"{prefix}wake_relay"),
+        prep.quote(trigger_name(prefix)),
         qualified(op, schema, f"{prefix}events"),
     )
 

@@ -65,7 +65,7 @@ from functools import cached_property
 from psycopg import sql
 
 from outbox.settings import OutboxSettings
-from outbox.wake import WAKE_SLOTS, wake_channel, wake_namespace
+from outbox.wake import WAKE_SLOTS, trigger_name, wake_channel, wake_namespace
 from relay.store import RelayStore, namespaces
 
 # Session settings of the relay's claim connections. The outbox swings between empty, huge and full
@@ -156,7 +156,7 @@ class ClaimStore(RelayStore):
         return sql.SQL(
             "SELECT EXISTS (SELECT FROM pg_trigger WHERE tgrelid = {table}::regclass"
             " AND tgname = {name} AND tgenabled <> 'D')"
-        ).format(table=self._events_name, name=sql.Literal(f"{self.prefix}wake_relay"))
+        ).format(table=self._events_name, name=sql.Literal(trigger_name(self.prefix)))
 
     @cached_property
     def take_wake_slot(self) -> bytes:
