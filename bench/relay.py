@@ -7,6 +7,11 @@ latency at a steady rate; and the cost of a NOTIFY trigger on producer commits.
     python -m bench.relay --rows 50000 --kafka-security secure.env   # SASL_SSL vs plaintext
     python -m bench.relay --rows 100000 --vs ../old/.venv/bin/outbox  # this build vs another
     python -m bench.relay --held-snapshot 180   # a long snapshot: ~10 minutes
+    python -m bench.relay --source table,wal --pairs 3   # the sources, and Kafka's own producer
+
+Drain rates are printed beside Kafka's own producer (``ProducerPerformance``, Java, into the
+same broker with the same partitions and record count: bench/kafka_perf.py) unless
+``--no-kafka-baseline``.
 
 ``--held-snapshot SECONDS`` only measures what a long transaction holding a snapshot does
 to one relay: the same steady stream (``--rate``, default 2,000 events/s) for SECONDS
@@ -47,7 +52,7 @@ from aiokafka import TopicPartition
 from dotenv import dotenv_values
 from sqlalchemy.engine import make_url
 
-from bench import tracing, wal
+from bench import kafka_perf, tracing, wal
 from bench.common import create_topic, delete_topics, relay_env
 from outbox import Outbox, migrate
 from outbox.db import sync_engine
@@ -641,6 +646,12 @@ def main() -> None:
         "held-snapshot run on that source); see bench/wal.py",
     )
     ap.add_argument(
+        "--no-kafka-baseline",
+        action="store_true",
+        help="skip Kafka's own producer (ProducerPerformance, bench/kafka_perf.py) as the "
+        "baseline of the drain rates",
+    )
+    ap.add_argument(
         "--profile",
         action="store_true",
         help="with --source: sample each relay's CPU while it drains (bench/cpuprofile.py) and "
@@ -685,8 +696,17 @@ def main() -> None:
                 f"backlog {args.rows} events of ~300 B, {KEYS} keys, {args.partitions} partitions"
             )
             starter = wal.profiled_relay if args.profile else start_relay
+            classpath = None if args.no_kafka_baseline else kafka_perf.tools_classpath()
             medians = wal.compare(
-                settings, starter, fill, sources, args.partitions, args.rows, args.pairs, logs
+                settings,
+                starter,
+                fill,
+                sources,
+                args.partitions,
+                args.rows,
+                args.pairs,
+                logs,
+                classpath,
             )
             print(json.dumps(medians))
             return
@@ -705,12 +725,19 @@ def main() -> None:
         )
         naive = asyncio.run(naive_relay(settings, topic, args.naive_rows))
         print(f"naive relay (select 100, send_and_wait, delete each): {naive:,.0f} events/s")
+        kafka = None
+        if not args.no_kafka_baseline:
+            classpath = kafka_perf.tools_classpath()
+            kafka = kafka_perf.producer_performance(settings, args.partitions, args.rows, classpath)
+            print(f"Kafka's own producer (ProducerPerformance): {kafka:,.0f} records/s")
         rates = {}
         for n in (int(x) for x in args.relays.split(",")):
             rates[n] = drain_with_relays(settings, topic, args.rows, n, logs)
+            of_kafka = f", {rates[n] / kafka:.0%} of Kafka's own producer" if kafka else ""
             print(
                 f"{n} relay process(es): {rates[n]:,.0f} events/s  "
-                f"({rates[n] / naive:.1f}x naive, {rates[n] / ceiling:.0%} of DB ceiling)"
+                f"({rates[n] / naive:.1f}x naive, {rates[n] / ceiling:.0%} of DB ceiling"
+                f"{of_kafka})"
             )
         rate = args.rate or 1000
         p50, p99, count = asyncio.run(latency(settings, rate, args.latency_seconds, logs))
@@ -729,6 +756,7 @@ def main() -> None:
             "plain_delete": plain,
             "naive": naive,
             "relays": rates,
+            "kafka_producer": kafka,
             "p50_ms": p50,
             "p99_ms": p99,
             "notify": cost,

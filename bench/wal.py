@@ -29,6 +29,7 @@ from pathlib import Path
 import psycopg
 from aiokafka import TopicPartition
 
+from bench import kafka_perf
 from bench.common import create_topic, relay_env
 from bench.cpuprofile import CpuProfile
 from outbox import Message, Outbox
@@ -198,25 +199,37 @@ def compare(
     rows: int,
     pairs: int,
     logs: Path,
+    kafka_classpath: str | None = None,
 ) -> dict[str, float]:
-    """Median events/s per source over ``pairs`` alternating rounds."""
+    """Median events/s per source over ``pairs`` alternating rounds; with
+    ``kafka_classpath``, each round also runs Kafka's own producer (bench/kafka_perf.py) and
+    the medians are printed as fractions of its median."""
     rates: dict[str, list[float]] = {s: [] for s in sources}
+    if kafka_classpath:
+        rates["kafka"] = []
     with wal_mode(table) as wal:
         for i in range(pairs):
-            for source in sources:
-                if source == "wal":
+            for source in rates:
+                if source == "kafka":
+                    assert kafka_classpath
+                    rate = kafka_perf.producer_performance(table, partitions, rows, kafka_classpath)
+                elif source == "wal":
                     rate = drain(wal, start_relay, fill_wal, partitions, rows, logs)
                 else:
                     rate = drain(table, start_relay, fill_table, partitions, rows, logs)
                 rates[source].append(rate)
+                unit = "records/s (ProducerPerformance)" if source == "kafka" else "events/s"
                 print(
-                    f"round {i + 1} {source:5}: {rate:9,.0f} events/s "
+                    f"round {i + 1} {source:5}: {rate:9,.0f} {unit} "
                     f"(loadavg {os.getloadavg()[0]:.2f})",
                     flush=True,
                 )
     medians = {s: statistics.median(r) for s, r in rates.items()}
     for source, rate in medians.items():
-        print(f"median {source:5}: {rate:9,.0f} events/s over {pairs} round(s)")
-    if len(medians) == 2:
+        print(f"median {source:5}: {rate:9,.0f} per s over {pairs} round(s)")
+    if "table" in medians and "wal" in medians:
         print(f"wal / table: {medians['wal'] / medians['table']:.2f} (target >= 1.5)")
+    if "kafka" in medians:
+        for source in sources:
+            print(f"{source} / Kafka's own producer: {medians[source] / medians['kafka']:.2f}")
     return medians
