@@ -267,7 +267,8 @@ def wait_reading(settings: OutboxSettings, timeout: float = 60) -> None:
             row = conn.execute(
                 "SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid"
                 " WHERE l.locktype = 'advisory' AND l.granted"
-                " AND a.application_name = 'outbox-relay-wal' AND a.datname = current_database()"
+                " AND a.datname = current_database() AND (a.application_name = 'outbox-relay-wal'"
+                " OR a.application_name LIKE 'outbox-relay-wal %')"
             ).fetchone()
         if row and row[0]:
             return

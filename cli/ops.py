@@ -184,11 +184,7 @@ def _wal_line(wal: WalLag, label: str = "wal slot") -> Text:
         if wal.max_slot_wal_keep_size is not None and wal.max_slot_wal_keep_size < 0
         else f"{mib(wal.safe_wal_size)} more before invalidation"
     )
-    reader = (
-        f"read by a relay (backend pid {', '.join(map(str, wal.reading_pids))})"
-        if wal.reading_pids
-        else "read by no relay"
-    )
+    reader = f"read by {', '.join(wal.reading)}" if wal.reading else "read by no relay"
     text = (
         f"{label} {wal.slot}: {wal.wal_status}, lag {lag}, retains {mib(wal.retained_bytes)} "
         f"({mib(wal.unconfirmed_bytes)} unconfirmed, confirmed to {wal.confirmed_flush_lsn}); "

@@ -67,6 +67,7 @@ class Relay:
         retry = RetryPolicy.from_settings(settings.retry)
         self._kafka = KafkaState(retry, self.metrics)
         shared = Shared(
+            identity=self.identity,
             database=self.database,
             database_state=self._database_state,
             db_retry=retry,

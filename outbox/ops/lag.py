@@ -144,6 +144,9 @@ class WalLag:
     lag_unknown: str | None = None  # why lag_seconds is None
     reading_pids: list[int] = field(default_factory=list)  # the WAL relay reading the slot
     standby_pids: list[int] = field(default_factory=list)  # WAL relays standing by
+    # Who reads, in words: "relay pid 1234 on host-a (backend pid 5678)" (the pids above
+    # are PostgreSQL's backends, not the relays').
+    reading: list[str] = field(default_factory=list)
 
     @classmethod
     def of(cls, state: WalState, settings: OutboxSettings) -> WalLag:
@@ -165,8 +168,9 @@ class WalLag:
             confirmed_flush_lsn=slot.confirmed_flush_lsn,
             lag_seconds=lag.seconds,
             lag_unknown=lag.reason,
-            reading_pids=list(state.reading_pids),
-            standby_pids=list(state.standby_pids),
+            reading_pids=[r.backend_pid for r in state.reading],
+            standby_pids=[r.backend_pid for r in state.standing_by],
+            reading=[r.describe() for r in state.reading],
         )
 
 

@@ -189,15 +189,19 @@ WAL_SLOT = """
 # every version. synced stays true on a promoted standby for the slots it had synced.
 WAL_SLOT_QUERY = text(WAL_SLOT.replace("%(slot)s", ":slot"))
 
-# The WAL relays connected to this database (by their application name): the one reading
-# the slot holds its reader lock (an advisory lock), the others stand by for it.
+# The WAL relays connected to this database (by their application name, which names the
+# relay's process after a space: outbox/ops/wal_slot.py): the one reading the slot holds its
+# reader lock (an advisory lock), the others stand by for it.
 WAL_READERS = text(
     """
     SELECT a.pid,
            EXISTS (SELECT 1 FROM pg_locks l WHERE l.pid = a.pid AND l.locktype = 'advisory'
-                   AND l.granted) AS reading
+                   AND l.granted) AS reading,
+           a.application_name
     FROM pg_stat_activity a
-    WHERE a.datname = current_database() AND a.application_name = :application
+    WHERE a.datname = current_database()
+      AND (a.application_name = :application
+           OR starts_with(a.application_name, :application || ' '))
     ORDER BY a.pid
     """
 )

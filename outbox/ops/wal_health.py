@@ -152,13 +152,15 @@ def _slot_findings(add: _Add, slot: SlotState, state: WalState, settings: Outbox
         )
         return
     reads = source_of(settings).reads_slot
-    if not reads and (slot.active or state.reading_pids):
+    if not reads and (slot.active or state.reading):
         # This shell says table, the deployment streams the slot: never advise a drop.
-        readers = ", ".join(map(str, state.reading_pids or (slot.active_pid,)))
+        readers = ", ".join(r.describe() for r in state.reading) or (
+            f"walsender pid {slot.active_pid}"
+        )
         add(
             "wal_slot",
             "ok",
-            f"replication slot {name} is being read (backend pid {readers}): a WAL relay "
+            f"replication slot {name} is being read by {readers}: a WAL relay "
             "streams it, although OUTBOX_SOURCE is table where doctor runs",
             "run doctor with the deployment's settings (OUTBOX_SOURCE=wal) to check the WAL "
             "source itself",
@@ -214,8 +216,12 @@ def _slot_findings(add: _Add, slot: SlotState, state: WalState, settings: Outbox
 def _reader(add: _Add, state: WalState) -> None:
     """Whether a WAL relay reads the slot (the one holding the reader lock) and how many
     stand by to take over."""
-    reading, standby = state.reading_pids, state.standby_pids
-    details = {"reading_pids": list(reading), "standby_pids": list(standby)}
+    reading, standby = state.reading, state.standing_by
+    details = {
+        "reading_pids": [r.backend_pid for r in reading],
+        "standby_pids": [r.backend_pid for r in standby],
+        "readers": [r.as_dict() for r in state.readers],
+    }
     if not reading:
         # A warning like the table source's "no live relay" with nothing pending: whether
         # events wait is `outbox lag`'s figure (and the slot alerts'), not known here.
@@ -232,8 +238,8 @@ def _reader(add: _Add, state: WalState) -> None:
     add(
         "wal_reader",
         "ok",
-        f"a relay reads the slot (its database session: backend pid "
-        f"{', '.join(map(str, reading))}); {len(standby)} standing by",
+        f"a relay reads the slot: {', '.join(r.describe() for r in reading)}; "
+        f"{len(standby)} standing by",
         None,
         **details,
     )

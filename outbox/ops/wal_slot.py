@@ -62,6 +62,44 @@ PLUGIN = "pgoutput"
 # application_name of the WAL relay's reading connection (relay/sources/wal/source.py): how doctor
 # and lag find the relays of a slot.
 READER_APPLICATION = "outbox-relay-wal"
+_NAMEDATALEN = 64  # PostgreSQL keeps 63 bytes of an application name
+
+
+def relay_application(base: str, pid: int, host: str) -> str:
+    """The application name of a WAL relay's connection: ``base`` and the relay process
+    that opened it (``1234@host``). PostgreSQL shows each session's backend pid, and an
+    operator who kills that kills a database backend, not the relay."""
+    return f"{base} {pid}@{host}".encode("ascii", "replace")[: _NAMEDATALEN - 1].decode()
+
+
+@dataclass(frozen=True)
+class WalReader:
+    """A WAL relay's reading connection, as pg_stat_activity shows it."""
+
+    backend_pid: int  # PostgreSQL's process serving the session
+    reading: bool  # it holds the reader lock (the others stand by)
+    application: str = READER_APPLICATION
+
+    @property
+    def relay(self) -> tuple[int, str] | None:
+        """The relay's own process id and host (None: a relay from before they were named)."""
+        who = self.application[len(READER_APPLICATION) + 1 :]
+        pid, _, host = who.partition("@")
+        return (int(pid), host) if pid.isdigit() and host else None
+
+    def describe(self) -> str:
+        relay = self.relay
+        session = f"backend pid {self.backend_pid}"
+        return f"relay pid {relay[0]} on {relay[1]} ({session})" if relay else session
+
+    def as_dict(self) -> dict[str, object]:
+        relay = self.relay
+        return {
+            "relay_pid": relay[0] if relay else None,
+            "host": relay[1] if relay else None,
+            "backend_pid": self.backend_pid,
+            "reading": self.reading,
+        }
 
 
 def _literal(value: str) -> str:
@@ -142,9 +180,18 @@ class WalState:
     server: ServerWal
     slot: SlotState | None
     publication_exists: bool
-    reading_pids: tuple[int, ...] = ()  # WAL relays holding the reader lock (one, normally)
-    standby_pids: tuple[int, ...] = ()  # WAL relays waiting to take over
+    # The WAL relays' reading connections: the one holding the reader lock (normally one)
+    # and those waiting to take over.
+    readers: tuple[WalReader, ...] = ()
     emit_public: bool = False  # PUBLIC may write WAL events (outbox/ops/wal_grants.py)
+
+    @property
+    def reading(self) -> tuple[WalReader, ...]:
+        return tuple(r for r in self.readers if r.reading)
+
+    @property
+    def standing_by(self) -> tuple[WalReader, ...]:
+        return tuple(r for r in self.readers if not r.reading)
 
 
 # What setup did about the slot's failover flag (SetupResult.failover).
@@ -186,12 +233,12 @@ def read_slot(conn: Connection, slot: str) -> SlotState | None:
 
 def read_state(conn: Connection, settings: OutboxSettings) -> WalState:
     relays = conn.execute(WAL_READERS, {"application": READER_APPLICATION}).all()
+    readers = tuple(WalReader(int(pid), bool(reading), name) for pid, reading, name in relays)
     return WalState(
         server=read_server(conn),
         slot=read_slot(conn, settings.wal.slot),
         publication_exists=_publication_exists(conn, settings.wal.publication),
-        reading_pids=tuple(int(pid) for pid, reading in relays if reading),
-        standby_pids=tuple(int(pid) for pid, reading in relays if not reading),
+        readers=readers,
         emit_public=emit_public(conn),
     )
 

@@ -24,6 +24,7 @@ from relay.kafka.state import KafkaState
 from relay.kafka.wording import Wording
 from relay.metrics import RelayMetrics
 from relay.outage import OutageGuard
+from relay.registration import Identity
 from relay.verdict import Verdicts
 
 
@@ -39,6 +40,7 @@ class Shared:
     kafka: KafkaState
     metrics: RelayMetrics
     verdicts: Verdicts
+    identity: Identity  # who this relay is: its connections say so to the database
 
     def guard(self, *, counted: bool = True) -> OutageGuard:
         """A loop's outage guard (``counted``: its outages count in the errors metric)."""

@@ -15,6 +15,7 @@ from pydantic import SecretStr
 from sqlalchemy.engine import make_url
 
 from outbox.ops.wal_slot import READER_APPLICATION as READER
+from outbox.ops.wal_slot import relay_application
 from outbox.settings import OutboxSettings
 from tests.acceptance.conftest import Cli, SchemaFactory
 from tests.acceptance.test_wal_setup_cli import wal_cli
@@ -80,20 +81,30 @@ def _set_up_one_passes(cli: Cli, ws: OutboxSettings) -> None:
     assert ready["wal_slot"]["details"]["wal_status"] == "reserved"
     assert ready["wal_publication"]["level"] == "ok"
     assert ready["wal_reader"]["level"] == "warn"  # no relay runs
-    # A reading relay (its application name, its reader lock) and one standing by.
+    # A reading relay (its application name naming its process, its reader lock) and one
+    # standing by (the plain name of the relays before they named themselves).
+    named = relay_application(READER, 4242, "relay-host")
     with (
-        psycopg.connect(ws.libpq_dsn, autocommit=True, application_name=READER) as reader,
+        psycopg.connect(ws.libpq_dsn, autocommit=True, application_name=named) as reader,
         psycopg.connect(ws.libpq_dsn, autocommit=True, application_name=READER) as standby,
     ):
         reader.execute("SELECT pg_advisory_lock(1, 2)")
         read = wal_findings(cli.json("doctor", "--no-kafka"))["wal_reader"]
         assert read["level"] == "ok"
+        backend = reader.info.backend_pid
         assert read["details"] == {
-            "reading_pids": [reader.info.backend_pid],
+            "reading_pids": [backend],
             "standby_pids": [standby.info.backend_pid],
+            "readers": [  # by backend pid
+                {"relay_pid": relay, "host": host, "backend_pid": pid, "reading": pid == backend}
+                for pid, relay, host in sorted(
+                    [(backend, 4242, "relay-host"), (standby.info.backend_pid, None, None)]
+                )
+            ],
         }
         lag = cli.json("lag", "--no-kafka")["wal"]
-        assert lag["reading_pids"] == [reader.info.backend_pid]
+        assert lag["reading_pids"] == [backend]
+        assert lag["reading"] == [f"relay pid 4242 on relay-host (backend pid {backend})"]
     with psycopg.connect(ws.libpq_dsn) as conn:
         row = conn.execute("SHOW max_slot_wal_keep_size").fetchone()
     assert row is not None

@@ -5,6 +5,7 @@ maintenance services, and another takes them over when it is killed."""
 from __future__ import annotations
 
 import json
+import socket
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
@@ -78,6 +79,11 @@ def test_a_wal_relay_runs_retention_and_is_listed_with_its_pid(
             lag = json.loads(outbox_cli("lag", "--json", "--no-kafka", env=env).stdout)
             assert [(r["pid"], r["source"]) for r in lag["relays"]] == [(relay.pid, "wal")]
             assert lag["totals"]["live_relays"] == 1 and lag["totals"]["unowned_lanes"] == 0
+            # Who reads the slot: the relay's own process, its database session beside it.
+            [backend] = lag["wal"]["reading_pids"]
+            reader = f"relay pid {relay.pid} on {socket.gethostname()} (backend pid {backend})"
+            assert lag["wal"]["reading"] == [reader], lag["wal"]
+            assert f"read by {reader}" in outbox_cli("lag", "--no-kafka", env=env).stdout
             text_status = outbox_cli("status", env=env).stdout
             assert f"wal pid {relay.pid}" in text_status and "maintenance on" in text_status
             with console_process(s, **wal_env(s)) as (url, _):

@@ -16,7 +16,15 @@ import pytest
 from outbox.ops.lag import LagReport, Thresholds, WalLag
 from outbox.ops.wal_health import WalGauges, findings
 from outbox.ops.wal_lag import commit_time
-from outbox.ops.wal_slot import ServerWal, SlotState, WalState, setup_sql
+from outbox.ops.wal_slot import (
+    READER_APPLICATION,
+    ServerWal,
+    SlotState,
+    WalReader,
+    WalState,
+    relay_application,
+    setup_sql,
+)
 from outbox.settings import OutboxSettings
 
 GIB = 1 << 30
@@ -184,13 +192,23 @@ def test_the_operations_page_shows_the_admin_sql_as_printed() -> None:
 
 
 def test_doctor_says_whether_a_relay_reads_the_slot() -> None:
-    nobody = by_check(replace(state(), standby_pids=(41,)))["wal_reader"]
+    nobody = by_check(replace(state(), readers=(WalReader(41, False),)))["wal_reader"]
     assert nobody[0] == "warn" and "no relay reads the slot (1 connected" in nobody[1]
-    reading = by_check(replace(state(), reading_pids=(40,), standby_pids=(41, 42)))
+    readers = (
+        WalReader(40, True, relay_application(READER_APPLICATION, 1234, "relay-a")),
+        WalReader(41, False, relay_application(READER_APPLICATION, 1235, "relay-b")),
+        WalReader(42, False),  # a relay from before they named themselves
+    )
+    reading = by_check(replace(state(), readers=readers))
     assert reading["wal_reader"][:2] == (
         "ok",
-        "a relay reads the slot (its database session: backend pid 40); 2 standing by",
+        "a relay reads the slot: relay pid 1234 on relay-a (backend pid 40); 2 standing by",
     )
+    # The old form (the backend only) still reads.
+    old = by_check(replace(state(), readers=readers[2:]))["wal_reader"]
+    assert old[0] == "warn" and "1 connected" in old[1]
+    old = by_check(replace(state(), readers=(WalReader(42, True),)))["wal_reader"]
+    assert old[1] == "a relay reads the slot: backend pid 42; 0 standing by"
     assert "wal_reader" not in by_check(state(), OutboxSettings(source="table"))
     assert "wal_reader" not in by_check(state(slot=None))  # the missing slot is the error
 
@@ -221,10 +239,11 @@ def test_the_setup_sql_restricts_emitting_only_when_producer_roles_are_given() -
 
 def test_in_table_mode_a_slot_being_read_is_not_advised_for_dropping() -> None:
     table = OutboxSettings(source="table")
-    read = by_check(replace(state(), reading_pids=(40,)), table)["wal_slot"]
-    assert read[0] == "ok" and "being read (backend pid 40)" in read[1]
+    reader = WalReader(40, True, relay_application(READER_APPLICATION, 1234, "relay-a"))
+    read = by_check(replace(state(), readers=(reader,)), table)["wal_slot"]
+    assert read[0] == "ok" and "being read by relay pid 1234 on relay-a (backend pid 40)" in read[1]
     assert "drop" not in read[2].lower()
     streamed = by_check(state(replace(SLOT, active=True, active_pid=77)), table)["wal_slot"]
-    assert streamed[0] == "ok" and "77" in streamed[1]
+    assert streamed[0] == "ok" and "being read by walsender pid 77:" in streamed[1]
     idle = by_check(state(), table)["wal_slot"]
     assert idle[0] == "warn" and "pg_drop_replication_slot" in idle[2]

@@ -23,13 +23,13 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import psycopg
 
 from outbox import pgoutput, wal_codec
 from outbox.settings import RelaySettings, WalSettings
-from relay.database import Connection, Database
+from relay.database import Connection
 from relay.outage import OutageGuard
 from relay.sources.wal.gate import TableGate
 from relay.sources.wal.settling import Settler
@@ -69,7 +69,7 @@ class Reader:
         self,
         wal: WalSettings,
         relay: RelaySettings,
-        database: Database,
+        replication: Callable[[str], Awaitable[Connection]],
         store: WalStore,
         lock: ReaderLock,
         settler: Settler,
@@ -79,7 +79,7 @@ class Reader:
         sql: Callable[[], Connection],
     ) -> None:
         self._wal = wal
-        self._database = database
+        self._replication = replication  # opens a named replication connection
         self._store = store
         self._lock = lock
         self._settler = settler
@@ -119,7 +119,7 @@ class Reader:
         wal = self._wal
         try:
             ws = await WalStream.start(
-                self._database.replication,
+                self._replication,
                 wal.slot,
                 wal.publication,
                 lsn_text(self._lock.confirmed or 0),

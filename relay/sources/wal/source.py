@@ -21,7 +21,7 @@ from typing import Any
 
 import psycopg
 
-from outbox.ops.wal_slot import setup_sql
+from outbox.ops.wal_slot import READER_APPLICATION, relay_application, setup_sql
 from outbox.settings import OutboxSettings, RelaySettings, WalSettings
 from relay.database import Connection
 from relay.kafka.wording import Wording
@@ -61,6 +61,10 @@ class WalSource:
         self._database = shared.database
         self._metrics = shared.metrics
         self._guard = guard
+        # Its reading connections name the relay's process (doctor and lag show it).
+        self._named = functools.partial(
+            relay_application, pid=shared.identity.pid, host=shared.identity.hostname
+        )
         self._conn: Connection | None = None  # holds the reader lock
         self._side: Connection | None = None  # the table check and the failed table
         self.lock = ReaderLock(wal.slot, store, relay.poll_interval_seconds, setup)
@@ -82,7 +86,7 @@ class WalSource:
         self.reader = Reader(
             wal,
             relay,
-            self._database,
+            self._replication,
             store,
             self.lock,
             self._settler,
@@ -137,7 +141,7 @@ class WalSource:
             while not stopping.is_set():
                 try:
                     if self._conn is None:
-                        self._conn = await self._database.connect("outbox-relay-wal")
+                        self._conn = await self._database.connect(self._named(READER_APPLICATION))
                     if not self.lock.reading:
                         await self.lock.take(self._conn, stopping)
                         continue
@@ -151,6 +155,9 @@ class WalSource:
                     await self._guard.survive(exc, stopping, self.close)
         finally:
             await self.close()
+
+    async def _replication(self, name: str) -> Connection:
+        return await self._database.replication(self._named(name))
 
     def _reader_conn(self) -> Connection:
         assert self._conn is not None
