@@ -10,6 +10,7 @@ source lives in its source package; what is said here is what every other part m
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from outbox.settings import OutboxSettings
@@ -51,3 +52,15 @@ SOURCES: dict[str, SourceKind] = {kind.name: kind for kind in (TABLE, WAL)}
 def source_of(settings: OutboxSettings) -> SourceKind:
     """The source ``settings`` configure (``OUTBOX_SOURCE``)."""
     return SOURCES[settings.source]
+
+
+def deployed(shell: SourceKind, live: Iterable[str]) -> SourceKind:
+    """The source a deployment runs, given the sources its live relays registered with:
+    the shell's (``OUTBOX_SOURCE``), unless every live relay runs one other source. A
+    console or doctor started from a shell that lacks the deployment's setting then judges
+    what runs (no "no live relay" beside streaming WAL relays); while both run (a switch),
+    the shell's."""
+    kinds = {SOURCES[name] for name in live if name in SOURCES}
+    if len(kinds) == 1 and shell not in kinds:
+        return kinds.pop()
+    return shell

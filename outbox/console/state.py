@@ -28,6 +28,7 @@ from outbox.db import async_engine, sync_engine, translated_errors
 from outbox.effects import Effects
 from outbox.errors import OutboxError
 from outbox.ops.store import OpsStore
+from outbox.ops.wal_health import mib
 from outbox.scrub import scrub
 from outbox.settings import OutboxSettings
 from outbox.tables import build_tables
@@ -81,6 +82,7 @@ class Console:
             loader=PackageLoader("outbox.console", "templates"), autoescape=True, finalize=shown
         )
         self.templates.globals["qs"] = query_string
+        self.templates.globals["mib"] = mib
 
     def render(
         self, request: Request, name: str, status: int = 200, **context: Any

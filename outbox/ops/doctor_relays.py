@@ -23,7 +23,7 @@ from outbox.ops.wal_health import findings as wal_findings
 from outbox.ops.wal_slot import read_state
 from outbox.poolers import SessionProbe, probe_session
 from outbox.settings import OutboxSettings
-from outbox.sources import SOURCES, source_of
+from outbox.sources import SOURCES, deployed, source_of
 from outbox.wording import counted
 
 
@@ -145,12 +145,17 @@ class RelayChecks(Checks):
             )
 
     async def relays(self, conn: AsyncConnection, pending: int) -> None:
-        if not source_of(self.settings).needs_table_relays(pending):
-            return  # lanes need no owner: check wal_reader says whether a relay reads
         stale_after = self.options.stale_relay_seconds or default_stale_after(self.settings)
+        rows = list(await conn.execute(self.store.relays))
+        running = deployed(
+            source_of(self.settings),
+            (r.source for r in rows if float(r.heartbeat_age) <= stale_after),
+        )
+        if not running.needs_table_relays(pending):
+            return  # lanes need no owner: check wal_reader says whether a relay reads
         owned: set[int] = set()
         live = 0
-        for r in await conn.execute(self.store.relays):
+        for r in rows:
             age = float(r.heartbeat_age)
             if age <= stale_after:
                 # A relay of a source without lanes (a WAL relay, while switching) owns none.

@@ -59,7 +59,7 @@ from outbox.ops.vacuum import VacuumState, vacuum_state
 from outbox.ops.wal_lag import LagProbe, lag_seconds
 from outbox.ops.wal_slot import WalState, read_state
 from outbox.settings import OutboxSettings
-from outbox.sources import source_of
+from outbox.sources import deployed, source_of
 from outbox.tables import build_tables
 from outbox.wording import counted
 
@@ -147,6 +147,8 @@ class WalLag:
     # Who reads, in words: "relay pid 1234 on host-a (backend pid 5678)" (the pids above
     # are PostgreSQL's backends, not the relays').
     reading: list[str] = field(default_factory=list)
+    standing_by: list[str] = field(default_factory=list)
+    failover: bool | None = None  # kept on standbys (PostgreSQL 17+); None: before 17
 
     @classmethod
     def of(cls, state: WalState, settings: OutboxSettings) -> WalLag:
@@ -171,6 +173,8 @@ class WalLag:
             reading_pids=[r.backend_pid for r in state.reading],
             standby_pids=[r.backend_pid for r in state.standing_by],
             reading=[r.describe() for r in state.reading],
+            standing_by=[r.describe() for r in state.standing_by],
+            failover=slot.failover,
         )
 
 
@@ -397,7 +401,8 @@ async def _database_part(
     report.vacuum = await vacuum_state(conn, store)
     state = await conn.run_sync(lambda sync: read_state(sync, settings))
     kind = source_of(settings)
-    report.lanes_needed = kind.needs_table_relays(sum(t.pending for t in topics.values()))
+    running = deployed(kind, (r.source for r in report.relays if r.alive))
+    report.lanes_needed = running.needs_table_relays(sum(t.pending for t in topics.values()))
     if kind.reports_slot(state.slot is not None):
         # The probe opens a connection of its own (a temporary slot, dropped at once).
         report.wal = await asyncio.to_thread(WalLag.of, state, settings)

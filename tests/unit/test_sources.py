@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from outbox.settings import OutboxSettings
-from outbox.sources import SOURCES, TABLE, WAL, source_of
+from outbox.sources import SOURCES, TABLE, WAL, deployed, source_of
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("outbox", "relay", "inbox", "cli")
@@ -76,3 +76,12 @@ def test_what_each_tool_is_told() -> None:
     assert TABLE.needs_table_relays(0) and WAL.needs_table_relays(3)
     assert not WAL.needs_table_relays(0)
     assert WAL.held_by_table_rows and not TABLE.held_by_table_rows
+
+
+def test_the_deployed_source_is_the_live_relays_when_they_all_run_another() -> None:
+    assert deployed(TABLE, ["wal", "wal"]) is WAL  # a table-mode shell beside WAL relays
+    assert deployed(WAL, ["table"]) is TABLE
+    assert deployed(TABLE, ["table", "wal"]) is TABLE  # a switch: both run, the shell's
+    assert deployed(WAL, ["table", "wal"]) is WAL
+    assert deployed(TABLE, []) is TABLE  # nothing runs: the shell's
+    assert deployed(WAL, ["some-future-source"]) is WAL  # unknown to this build
