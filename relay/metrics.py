@@ -110,6 +110,12 @@ class RelayMetrics:
             "keep flowing.",
             registry=r,
         )
+        self.wal_table_holding = Gauge(
+            "outbox_relay_wal_table_rows_holding",
+            "WAL source: rows of the outbox table older than the next WAL transaction; the "
+            "stream waits until a relay of the table source has published them (0: none).",
+            registry=r,
+        )
         self.maintenance_leader = Gauge(
             "outbox_relay_maintenance_leader",
             "1 while this relay runs the maintenance services (retention, the dead-tuple and "

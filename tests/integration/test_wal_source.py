@@ -483,3 +483,50 @@ async def test_a_missing_topics_events_wait_while_other_topics_flow_then_go_in_o
     assert f"events of Kafka topic {missing} wait in memory until it exists" in log, log[-3000:]
     # The later events joined the queue if they came before it drained (3 or 6 delivered).
     assert re.search(rf"Kafka {missing} takes events again: its [36] held events are", log), log
+
+
+async def test_a_delayed_table_row_holds_nothing_and_a_stray_one_is_warned_about_until_drained(
+    engine: Engine,
+    settings: OutboxSettings,
+    new_topic: Callable[..., Awaitable[str]],
+    tmp_path: Path,
+) -> None:
+    # Issue 51: the gate that lets older table rows go first held every WAL event for a
+    # delayed row's whole delay, and for a stray table-mode row it held them for ever,
+    # with one INFO line.
+    topic = await new_topic(partitions=2)
+    table = settings.model_copy(update={"source": "table"})
+    port = free_port()
+    relay = RelayProcess(_env(settings), tmp_path, "wal", "--metrics-port", str(port))
+    table_relay: RelayProcess | None = None
+    try:
+        with engine.begin() as conn:  # a delayed event, in table mode, of key k0
+            Outbox(table).publish(
+                conn, topic=topic, key="k0", event_type="t.delayed", payload={}, delay_seconds=60
+            )
+        ids = publish_numbered(engine, settings, topic, 50, keys=5)
+        records = await read_ids(settings.kafka_bootstrap_servers, topic, ids, 20)
+        v = verdict(records, ids)
+        assert (v.lost, v.out_of_order) == (0, 0), (v, relay.log()[-3000:])
+        assert "the WAL stream waits" not in relay.log()
+        # A stray table-mode publish (a cron job with the old setting), then WAL events:
+        # they wait for it, loudly, with the gauge up, until a table relay drains it.
+        stray = publish_numbered(engine, table, topic, 1, keys=5, start=50)
+        later = publish_numbered(engine, settings, topic, 50, keys=5, start=51)
+        assert wait_until(lambda: "the WAL stream waits" in relay.log(), 30), relay.log()[-3000:]
+        [line] = [x for x in relay.log().splitlines() if "the WAL stream waits" in x]
+        assert f"1 unpublished row(s) older than the next WAL transaction ({topic} 1)" in line
+        assert "OUTBOX_SOURCE=table" in line and "WARNING" in line, line
+        _metrics_when(port, lambda lines: "outbox_relay_wal_table_rows_holding 1.0" in lines)
+        table_relay = RelayProcess(relay_env(table), tmp_path, "table")
+        everything = ids + stray + later
+        records = await read_ids(settings.kafka_bootstrap_servers, topic, everything, 60)
+        v = verdict(records, everything)
+        # (The delayed event may come too, once its minute is up: not counted.)
+        assert (v.lost, v.out_of_order) == (0, 0), (v, relay.log()[-3000:])
+        _metrics_when(port, lambda lines: "outbox_relay_wal_table_rows_holding 0.0" in lines)
+        assert "publishing from the slot" in relay.log()
+    finally:
+        relay.kill()
+        if table_relay is not None:
+            table_relay.kill()

@@ -82,7 +82,12 @@ class WalSource:
             self._wake,
         )
         # Switching between the sources: table rows older than a transaction go first.
-        gate = TableGate(store.table_oldest, self._side_conn)
+        gate = TableGate(
+            store.table_oldest,
+            store.table_holding,
+            self._side_conn,
+            shared.metrics.wal_table_holding,
+        )
         self.reader = Reader(
             wal,
             relay,

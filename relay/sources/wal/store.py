@@ -56,14 +56,31 @@ class WalStore:
     # has no commit and would not).
     heartbeat = "SELECT pg_logical_emit_message(true, %(prefix)s, ''::bytea)"
 
+    # The outbox table's rows that go before WAL transactions (relay/sources/wal/gate.py):
+    # unpublished, and not delayed at publish (never tried, due later than created): a
+    # delayed event holds back no later event, not even of its key (docs/howto/publish.md).
+    _HOLDING = (
+        "published_at IS NULL"
+        " AND NOT (attempts = 0 AND last_error IS NULL AND available_at > created_at)"
+    )
+
     @cached_property
     def table_oldest(self) -> sql.Composed:
-        """When the oldest unpublished row of the outbox table was created (NULL: none), and
-        when this was asked (relay/sources/wal/gate.py: switching between the sources)."""
+        """When the oldest row of the outbox table that goes first was created (NULL: none),
+        and when this was asked (relay/sources/wal/gate.py: switching between the sources)."""
+        events = sql.Identifier(self.schema, f"{self.prefix}events")
+        return sql.SQL("SELECT min(created_at), statement_timestamp() FROM {} WHERE {}").format(
+            events, sql.SQL(self._HOLDING)
+        )
+
+    @cached_property
+    def table_holding(self) -> sql.Composed:
+        """Those rows per topic, most first (params: until: created before it)."""
         events = sql.Identifier(self.schema, f"{self.prefix}events")
         return sql.SQL(
-            "SELECT min(created_at), statement_timestamp() FROM {} WHERE published_at IS NULL"
-        ).format(events)
+            "SELECT topic, count(*) FROM {} WHERE {} AND created_at <= %(until)s"
+            " GROUP BY topic ORDER BY count(*) DESC, topic"
+        ).format(events, sql.SQL(self._HOLDING))
 
     @cached_property
     def new_ids(self) -> sql.Composed:
