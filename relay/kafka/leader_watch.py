@@ -42,6 +42,16 @@ ISR_SETTLE_SECONDS = 1.0
 # A start of the watch's client tries the brokers it is given one after the other, one
 # probe timeout each; past this it is tried again from a fresh list.
 WATCH_START_SECONDS = 5.0
+# A stalled batch whose partition Kafka lists with a live leader is answered within about
+# one request timeout (the ack timeout): acknowledged, refused (NOT_ENOUGH_REPLICAS, retried
+# at once by aiokafka) or timed out and sent again. One the watch has seen unanswered for
+# this many ack timeouts while neither the leader nor the in-sync replicas it first saw
+# changed waits on something the metadata does not show (its producer's connection or
+# state): the producer is replaced, as when Kafka acts. Without this bound such a stall
+# lasted until the batch was answered, however long: with Kafka counted as down (nothing
+# acknowledged for an ack timeout, e.g. once the stream's other partitions are drained)
+# the pipelines wait for that answer before they claim again (Pipeline._kafka_ready).
+UNANSWERED_ACK_TIMEOUTS = 3.0
 
 Replace = Callable[[Producer, str], None]
 
@@ -54,12 +64,14 @@ class LeaderWatch:
         brokers: BrokerView,
         pool: ProducerPool,
         replace: Replace,
+        ack_timeout_seconds: float = 10.0,
     ) -> None:
         self._clients = clients
         self._health = health
         self._brokers = brokers
         self._pool = pool
         self._replace = replace
+        self._unanswered_seconds = UNANSWERED_ACK_TIMEOUTS * ack_timeout_seconds
         self._task: asyncio.Task[None] | None = None
         # What ended the watch unexpectedly (the relay's /healthz fails), if anything.
         self.failure: str | None = None
@@ -89,6 +101,8 @@ class LeaderWatch:
         client: MetadataClient | None = None
         seen: dict[tuple[str, int], tuple[int, ...]] = {}  # in-sync replicas first seen
         acted: dict[tuple[str, int], float] = {}  # when Kafka was first seen to have acted
+        # When the watch first saw each stalled partition (again after each replacement).
+        since: dict[tuple[str, int], float] = {}
         try:
             while self._health.unavailable:
                 await asyncio.sleep(LEADER_PROBE_SECONDS)
@@ -121,17 +135,28 @@ class LeaderWatch:
                     if tp not in stalled or state.leader < 0:
                         continue
                     moved = state.leader != stalled[tp]
-                    if not moved and seen.setdefault(tp, state.isr) == state.isr:
+                    waited = now - since.setdefault(tp, now)
+                    overdue = waited >= self._unanswered_seconds and state.leader in view.brokers
+                    if not moved and not overdue and seen.setdefault(tp, state.isr) == state.isr:
                         continue
                     # A new leader: the batch waits on the old one. In-sync replicas
                     # changed: the batch should be answered now; give it a moment.
-                    if moved or now - acted.setdefault(tp, now) >= ISR_SETTLE_SECONDS:
+                    # Unanswered for long with a live leader: see UNANSWERED_ACK_TIMEOUTS.
+                    if moved or overdue or now - acted.setdefault(tp, now) >= ISR_SETTLE_SECONDS:
                         producer = self._pool.serving(tp)
                         if producer is not None:
-                            change = f"leader {state.leader}" if moved else f"in-sync {state.isr}"
+                            if moved:
+                                change = f"leader {state.leader}"
+                            elif overdue:
+                                change = f"unanswered {waited:.0f} s, leader {state.leader}"
+                            else:
+                                change = f"in-sync {state.isr}"
                             self._replace(producer, f"{tp[0]}[{tp[1]}] stalled, {change}")
+                        since[tp] = now  # what stays stalled, or stalls again, starts over
                 seen = {tp: v for tp, v in seen.items() if tp in stalled}
-                acted = {tp: v for tp, v in acted.items() if tp in self._health.leaders()}
+                leaders = self._health.leaders()
+                acted = {tp: v for tp, v in acted.items() if tp in leaders}
+                since = {tp: v for tp, v in since.items() if tp in leaders}
         finally:  # an unexpected error ends the watch loudly (see ensure: supervise)
             if client is not None:
                 await client.close()

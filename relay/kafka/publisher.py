@@ -66,9 +66,20 @@ class Publisher:
         options = producer_options(settings, max_payload_bytes)
         self.pool = ProducerPool(settings, options, clients, self.brokers)
         self.planner = BatchPlanner(max_payload_bytes, self.health, self.pool, wording)
-        self.watch = LeaderWatch(clients, self.health, self.brokers, self.pool, self._replace)
+        self.watch = LeaderWatch(
+            clients,
+            self.health,
+            self.brokers,
+            self.pool,
+            self._replace,
+            ack_timeout_seconds=settings.ack_timeout_seconds,
+        )
         # Deliveries of stalled partitions, and the producer each went through.
         self._stuck: dict[asyncio.Future[Any], Producer | None] = {}
+        # Deliveries under way, and the producer each was queued on (set once its start is
+        # done): a delivery left unanswered is charged to that producer, never to a
+        # successor started for its partition meanwhile (see publish).
+        self._sent_via: dict[asyncio.Future[Any], Producer] = {}
         # Pulsed (set, then cleared) when a producer is replaced: see wait_answered.
         self._replaced = asyncio.Event()
         self.replaced_at = -1e9  # loop time of the last replacement
@@ -227,7 +238,17 @@ class Publisher:
         await self._wait(deliveries.values())
         for tp, delivery in deliveries.items():
             if not delivery.done():
-                producer = self.pool.serving(tp)
+                # The producer this delivery was queued on (none yet: it still waits for
+                # the start of tp's producer, and will go through it), if it still serves
+                # tp. Not pool.serving(tp) alone: when the leader watch (or another
+                # pipeline's ProducerBroken) replaced the producer during the wait and a
+                # successor was started meanwhile, the batch waits on the retired
+                # producer, whose close fails it (ProducerClosed) only after its flush;
+                # charged to the successor, it stalled the partition for that flush, and
+                # its late "broken" answer then retired the healthy successor too.
+                serving = self.pool.serving(tp)
+                via = self._sent_via.get(delivery, serving)
+                producer = serving if via is serving else None
                 unavailable = self.health.stalled(tp, delivery, self.pool.leader(tp))
                 if producer is None:  # replaced meanwhile: no answer will come
                     self.health.forget([delivery])
@@ -289,7 +310,14 @@ class Publisher:
             producer = await self.pool.start(self.pool.index_of(tp))
         except Exception as exc:
             return None, [exc] * len(batches)
+        task = asyncio.current_task()
+        if task is not None:  # the delivery itself (publish runs _deliver as a task)
+            self._sent_via[task] = producer
+            task.add_done_callback(self._delivered)
         return producer, list(await producer.deliver(tp, [batch for batch, _ in batches]))
+
+    def _delivered(self, delivery: asyncio.Future[Any]) -> None:
+        self._sent_via.pop(delivery, None)
 
 
 def _acked(delivery: asyncio.Future[_Delivered]) -> bool:
