@@ -9,10 +9,10 @@ import socket
 import pytest
 
 from outbox.kafka.aiokafka_client import AioKafkaClients
-from outbox.kafka.client import Broker, PickBroker, ProducerOptions
+from outbox.kafka.client import Broker, ClusterView, PartitionState, PickBroker, ProducerOptions
 from outbox.settings import OutboxSettings, RelaySettings
 from relay.errors import PartitionUnavailable
-from relay.kafka.leader_watch import LEADER_PROBE_SECONDS, LeaderWatch
+from relay.kafka.leader_watch import LEADER_PROBE_SECONDS, UNANSWERED_ACK_TIMEOUTS, LeaderWatch
 from relay.kafka.partitions import MAX_DELAY, MIN_DELAY, PartitionHealth
 from relay.kafka.publisher import Publisher
 from relay.metrics import RelayMetrics
@@ -342,3 +342,61 @@ async def test_the_wait_for_kafka_ends_when_rows_of_a_partition_taken_back_are_d
     assert await publisher.wait_answered(30.0)
     assert release - 0.05 <= loop.time() - started < 5.0  # when due, not after the backoff
     assert publisher.health.next_release() is None and publisher.health.waiting == [stuck]
+
+
+class _SteadyCluster:
+    """A metadata client whose answer never changes: the stalled partition's leader live,
+    its in-sync replicas the same at every probe (what Kafka shows while a batch waits on
+    something the metadata does not show)."""
+
+    def brokers(self) -> list[int]:
+        return [1, 2]
+
+    async def ask(self, node: int | None, topics: object) -> ClusterView:
+        return ClusterView(frozenset({1, 2}), {TP: PartitionState(leader=1, isr=(1, 2))})
+
+    async def close(self) -> None:
+        pass
+
+
+async def test_a_batch_unanswered_for_three_ack_timeouts_under_a_live_leader_gets_a_new_producer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    cluster = _SteadyCluster()
+
+    async def steady(self: LeaderWatch) -> _SteadyCluster:
+        return cluster
+
+    monkeypatch.setattr(LeaderWatch, "client", steady)
+    publisher = _publisher()
+    serving = object()
+    monkeypatch.setattr(publisher.pool, "serving", lambda tp: serving)
+    replaced: list[tuple[object, str]] = []
+    done = asyncio.Event()
+
+    def replace(producer: object, why: str) -> None:
+        replaced.append((producer, why))
+        done.set()
+
+    ack_timeout = 0.1
+    watch = LeaderWatch(
+        AioKafkaClients(OutboxSettings(kafka_bootstrap_servers="a:1")),
+        publisher.health,
+        publisher.brokers,
+        publisher.pool,
+        replace,  # type: ignore[arg-type]
+        ack_timeout_seconds=ack_timeout,
+    )
+    batch: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    publisher.health.stalled(TP, batch, leader=1)
+    running = asyncio.ensure_future(watch.run())
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    await asyncio.wait_for(done.wait(), 5)
+    took = loop.time() - started
+    assert replaced and replaced[0][0] is serving, replaced
+    assert "orders[3] stalled, unanswered" in replaced[0][1] and "leader 1" in replaced[0][1]
+    assert took >= UNANSWERED_ACK_TIMEOUTS * ack_timeout  # not before the bound
+    batch.set_result(None)
+    publisher.health.answered()
+    await asyncio.wait_for(running, 1.0)
