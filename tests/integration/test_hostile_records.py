@@ -6,9 +6,7 @@ and with a batch handler."""
 from __future__ import annotations
 
 import asyncio
-import json
 import signal
-import subprocess
 import uuid
 from collections.abc import Awaitable, Callable
 
@@ -21,8 +19,10 @@ from outbox.settings import OutboxSettings
 from tests.support.inbox import (
     Headers,
     ce_headers,
+    dlq_show,
     effect_counts,
     effects_table,
+    numbered_body,
     outbox_cli,
     subprocess_env,
     wait_for,
@@ -34,24 +34,22 @@ NewTopic = Callable[..., Awaitable[str]]
 Record = tuple[bytes | None, bytes, Headers]
 
 
-def _body(seq: int, bad: bool) -> bytes:
-    # "permanent" fails the per-event handler, "bad" the batch handler (naming the event).
-    extra = {"permanent": True, "bad": True} if bad else {}
-    return json.dumps({"key": "k", "seq": seq, **extra}).encode()
-
-
 def _hostile(run: str) -> dict[str, Record]:
     """Event id (as the inbox knows it) -> the record. The first two cannot be read (no
     id or type PostgreSQL can store: dead-lettered as malformed, under their position);
     the other three are events whose handler refuses them (dead-lettered as failures)."""
     return {
-        "@0": (b"k", _body(0, False), ce_headers(f"{run}-type", "test.\x00event")),
-        "@1": (b"k", _body(1, False), ce_headers(f"{run}-\x00id")),
-        f"{run}-source": (b"k", _body(2, True), ce_headers(f"{run}-source", ce_source="urn:\x00")),
-        f"{run}-key": (b"k\x00ey", _body(3, True), ce_headers(f"{run}-key")),
+        "@0": (b"k", numbered_body(0, False), ce_headers(f"{run}-type", "test.\x00event")),
+        "@1": (b"k", numbered_body(1, False), ce_headers(f"{run}-\x00id")),
+        f"{run}-source": (
+            b"k",
+            numbered_body(2, True),
+            ce_headers(f"{run}-source", ce_source="urn:\x00"),
+        ),
+        f"{run}-key": (b"k\x00ey", numbered_body(3, True), ce_headers(f"{run}-key")),
         f"{run}-header": (
             b"k",
-            _body(4, True),
+            numbered_body(4, True),
             [*ce_headers(f"{run}-header"), ("user\x00name", b"v\x00\xff")],
         ),
     }
@@ -105,7 +103,7 @@ async def test_nul_bytes_anywhere_are_dead_lettered_and_the_partition_moves_on(
     run = uuid.uuid4().hex[:6]
     hostile = _hostile(run)
     ids = {name.replace("@", f"{topic}:0:"): record for name, record in hostile.items()}
-    good = [(b"k", _body(10 + i, False), ce_headers(f"{run}-good-{i}")) for i in range(10)]
+    good = [(b"k", numbered_body(10 + i, False), ce_headers(f"{run}-good-{i}")) for i in range(10)]
     records = list(hostile.values())
     _produce_confluent(kafka_bootstrap, topic, records[:4])
     await _produce_raw(kafka_bootstrap, topic, records[4:])
@@ -147,7 +145,7 @@ async def test_nul_bytes_anywhere_are_dead_lettered_and_the_partition_moves_on(
                 headers
             )
 
-        shown = _show(env, group, list(ids))
+        shown = dlq_show(env, group, list(ids))
         assert "type: test.\\x00event" in shown[f"{topic}:0:0"]
         assert "MalformedRecord: ce_type header holds a NUL byte" in shown[f"{topic}:0:0"]
         assert f"header ce_id = {run}-\\x00id" in shown[f"{topic}:0:1"]
@@ -160,22 +158,3 @@ async def test_nul_bytes_anywhere_are_dead_lettered_and_the_partition_moves_on(
         if consumer.poll() is None:
             consumer.send_signal(signal.SIGTERM)
         assert consumer.wait(60) == 0
-
-
-def _show(env: dict[str, str], group: str, event_ids: list[str]) -> dict[str, str]:
-    """`outbox dlq show` of each event (the CLI runs in parallel: each start costs seconds)."""
-    procs = {
-        event_id: subprocess.Popen(
-            ["outbox", "dlq", "show", event_id, "--consumer", group],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-        )
-        for event_id in event_ids
-    }
-    shown = {}
-    for event_id, proc in procs.items():
-        out, err = proc.communicate(timeout=60)
-        assert proc.returncode == 0, err.decode()
-        shown[event_id] = out.decode()
-    return shown

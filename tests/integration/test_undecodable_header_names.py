@@ -16,11 +16,12 @@ import pytest
 from sqlalchemy import Engine, text
 
 from outbox.settings import OutboxSettings
-from tests.integration.test_hostile_records import _body, _show
 from tests.support.inbox import (
     ce_headers,
+    dlq_show,
     effect_counts,
     effects_table,
+    numbered_body,
     outbox_cli,
     subprocess_env,
     wait_for,
@@ -45,8 +46,9 @@ async def test_a_header_name_not_utf8_is_dead_lettered_and_the_partition_moves_o
     table = effects_table(engine)
     group = f"c-{uuid.uuid4().hex[:8]}"
     run = uuid.uuid4().hex[:6]
-    bad = (b"k", _body(0, False), [*ce_headers(f"{run}-bad"), (RawName(BAD_NAME), b"v\xff")])
-    good = [(b"k", _body(10 + i, False), ce_headers(f"{run}-good-{i}")) for i in range(10)]
+    bad_headers = [*ce_headers(f"{run}-bad"), (RawName(BAD_NAME), b"v\xff")]
+    bad = (b"k", numbered_body(0, False), bad_headers)
+    good = [(b"k", numbered_body(10 + i, False), ce_headers(f"{run}-good-{i}")) for i in range(10)]
     # One producer lingering: the bad record and the good ones share a record batch.
     await produce_raw_names(kafka_bootstrap, topic, [bad, *good])
 
@@ -82,12 +84,12 @@ async def test_a_header_name_not_utf8_is_dead_lettered_and_the_partition_moves_o
         # The dead-letter topic has the record, its name escaped (a producer sends names
         # as UTF-8 strings) and the reason.
         (copy,) = await read_all(kafka_bootstrap, topic + ".dlq", expect=1)
-        assert copy.value == _body(0, False) and copy.key == b"k"
+        assert copy.value == numbered_body(0, False) and copy.key == b"k"
         assert copy.headers[SHOWN] == b"v\xff"
         assert copy.headers["dlq_error_class"] == b"MalformedRecord"
         assert copy.headers["dlq_original_offset"] == b"0"
 
-        shown = _show(env, group, [bad_id])[bad_id]
+        shown = dlq_show(env, group, [bad_id])[bad_id]
         assert "MalformedRecord: header name user-\\xff\\xfename is not UTF-8" in shown
         assert f"header {SHOWN} = v\\xff" in shown
     finally:

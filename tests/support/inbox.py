@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import subprocess
 import threading
@@ -234,3 +235,31 @@ async def committed_offsets(bootstrap: str, group: str) -> dict[tuple[str, int],
     finally:
         await admin.close()
     return {(tp.topic, tp.partition): meta.offset for tp, meta in offsets.items()}
+
+
+def numbered_body(seq: int, bad: bool) -> bytes:
+    """A test event's value, key "k": ``bad`` fails both test apps' handlers
+    ("permanent" the per-event one of inbox_apps, "bad" the batch one of batch_apps, which
+    names the event)."""
+    extra = {"permanent": True, "bad": True} if bad else {}
+    return json.dumps({"key": "k", "seq": seq, **extra}).encode()
+
+
+def dlq_show(env: dict[str, str], group: str, event_ids: list[str]) -> dict[str, str]:
+    """`outbox dlq show` of each event, by event id (the CLI runs in parallel: each start
+    costs seconds)."""
+    procs = {
+        event_id: subprocess.Popen(
+            ["outbox", "dlq", "show", event_id, "--consumer", group],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        for event_id in event_ids
+    }
+    shown = {}
+    for event_id, proc in procs.items():
+        out, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0, err.decode()
+        shown[event_id] = out.decode()
+    return shown
