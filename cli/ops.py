@@ -181,7 +181,7 @@ def _wal_line(wal: WalLag, label: str = "wal slot") -> Text:
     lag = _age(wal.lag_seconds) if wal.lag_seconds is not None else f"? ({wal.lag_unknown})"
     bound = (
         "unbounded (max_slot_wal_keep_size -1)"
-        if wal.max_slot_wal_keep_size is not None and wal.max_slot_wal_keep_size < 0
+        if wal.unbounded
         else f"{mib(wal.safe_wal_size)} more before invalidation"
     )
     reader = f"read by {', '.join(wal.reading)}" if wal.reading else "read by no relay"

@@ -150,6 +150,11 @@ class WalLag:
     standing_by: list[str] = field(default_factory=list)
     failover: bool | None = None  # kept on standbys (PostgreSQL 17+); None: before 17
 
+    @property
+    def unbounded(self) -> bool:
+        """No limit on the WAL the slot may hold (max_slot_wal_keep_size -1)."""
+        return self.max_slot_wal_keep_size is not None and self.max_slot_wal_keep_size < 0
+
     @classmethod
     def of(cls, state: WalState, settings: OutboxSettings) -> WalLag:
         slot = state.slot

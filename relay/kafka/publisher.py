@@ -76,10 +76,6 @@ class Publisher:
         )
         # Deliveries of stalled partitions, and the producer each went through.
         self._stuck: dict[asyncio.Future[Any], Producer | None] = {}
-        # Deliveries under way, and the producer each was queued on (set once its start is
-        # done): a delivery left unanswered is charged to that producer, never to a
-        # successor started for its partition meanwhile (see publish).
-        self._sent_via: dict[asyncio.Future[Any], Producer] = {}
         # Pulsed (set, then cleared) when a producer is replaced: see wait_answered.
         self._replaced = asyncio.Event()
         self.replaced_at = -1e9  # loop time of the last replacement
@@ -225,7 +221,11 @@ class Publisher:
             for i in range(len(rows)):
                 outcome.failed.setdefault(i, failure)
             return outcome
-        deliveries = {tp: asyncio.ensure_future(self._deliver(tp, b)) for tp, b in plan.items()}
+        # The producer each partition's batches were queued on, once its start is done.
+        via: dict[tuple[str, int], Producer] = {}
+        deliveries = {
+            tp: asyncio.ensure_future(self._deliver(tp, b, via)) for tp, b in plan.items()
+        }
         # Each partition's bytes stay taken while Kafka holds its batches, a stalled one's
         # included; what the plan left out (rows refused or held back) comes back now, so a
         # sick partition holds only its own share and never the healthy ones'.
@@ -247,8 +247,7 @@ class Publisher:
                 # charged to the successor, it stalled the partition for that flush, and
                 # its late "broken" answer then retired the healthy successor too.
                 serving = self.pool.serving(tp)
-                via = self._sent_via.get(delivery, serving)
-                producer = serving if via is serving else None
+                producer = serving if via.get(tp, serving) is serving else None
                 unavailable = self.health.stalled(tp, delivery, self.pool.leader(tp))
                 if producer is None:  # replaced meanwhile: no answer will come
                     self.health.forget([delivery])
@@ -304,20 +303,17 @@ class Publisher:
                     self._ack_seconds += (now - start - self._ack_seconds) * _ACK_SMOOTHING
                 deadline = min(deadline, now + grace)
 
-    async def _deliver(self, tp: tuple[str, int], batches: Batches) -> _Delivered:
-        """Queue ``tp``'s batches in order on its producer and wait for each answer."""
+    async def _deliver(
+        self, tp: tuple[str, int], batches: Batches, via: dict[tuple[str, int], Producer]
+    ) -> _Delivered:
+        """Queue ``tp``'s batches in order on its producer (noted in ``via``) and wait for
+        each answer."""
         try:
             producer = await self.pool.start(self.pool.index_of(tp))
         except Exception as exc:
             return None, [exc] * len(batches)
-        task = asyncio.current_task()
-        if task is not None:  # the delivery itself (publish runs _deliver as a task)
-            self._sent_via[task] = producer
-            task.add_done_callback(self._delivered)
+        via[tp] = producer
         return producer, list(await producer.deliver(tp, [batch for batch, _ in batches]))
-
-    def _delivered(self, delivery: asyncio.Future[Any]) -> None:
-        self._sent_via.pop(delivery, None)
 
 
 def _acked(delivery: asyncio.Future[_Delivered]) -> bool:
