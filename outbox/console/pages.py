@@ -19,6 +19,7 @@ from outbox.ops.deadletters import PROCESSED, STATES, DeadLetterFilter
 from outbox.ops.doctor import DoctorOptions, diagnose
 from outbox.ops.history import failed_by_day
 from outbox.ops.lag import LagReport, collect
+from outbox.text import printable
 
 PAGE_SIZE = 100
 GROUPS_SHOWN = 50
@@ -114,7 +115,10 @@ async def dead_letter(console: Console, request: Request) -> Response:
         x=letter,
         payload=_payload(letter.value, shown),
         payload_shown=shown,
-        headers=[(n, v.decode("utf-8", "replace")) for n, v in letter.headers],
+        # Bytes as `outbox dlq show` prints them: NUL and other control bytes, and bytes
+        # that are not UTF-8, escaped (\x00, \xff) rather than dropped or replaced.
+        key_text=None if letter.key is None else printable(letter.key),
+        headers=[(printable(n), printable(v)) for n, v in letter.headers],
         trace_id=_trace_id(letter.headers),
         key=letter_key(letter.consumer, letter.event_id),
     )

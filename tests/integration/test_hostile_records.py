@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import urllib.parse
 import uuid
 from collections.abc import Awaitable, Callable
 
@@ -16,6 +17,7 @@ from confluent_kafka import Producer
 from sqlalchemy import Engine, text
 
 from outbox.settings import OutboxSettings
+from tests.support.console import chromium_browser, console_process
 from tests.support.inbox import (
     Headers,
     ce_headers,
@@ -83,6 +85,31 @@ def _dead_letters(
             {"c": group},
         )
         return {r[0]: (r[1], [bytes(v) for v in r[2]]) for r in rows}
+
+
+async def _console_shows_them_escaped(
+    settings: OutboxSettings, group: str, topic: str, run: str
+) -> None:
+    """The console's dead-letter page, in Chromium, shows the bytes as `outbox dlq show`
+    does: escaped, never a raw NUL or a replacement character."""
+    async with chromium_browser() as browser:
+        page = await browser.new_page()
+        with console_process(settings) as (url, proc):
+
+            async def shown(event_id: str, selector: str) -> str:
+                query = urllib.parse.urlencode({"consumer": group, "event_id": event_id})
+                response = await page.goto(f"{url}/dead-letters/show?{query}")
+                assert response is not None and response.status == 200, event_id
+                return await page.inner_text(selector)
+
+            assert await shown(f"{run}-key", "#key") == "k\\x00ey"
+            headers = await shown(f"{run}-header", "#headers")
+            assert "user\\x00name" in headers and "v\\x00\\xff" in headers, headers
+            assert "test.\\x00event" in await shown(f"{topic}:0:0", "body")
+            assert f"{run}-\\x00id" in await shown(f"{topic}:0:1", "#headers")
+            assert "urn:\\x00" in await shown(f"{run}-source", "#headers")
+        await page.close()
+    assert b"Traceback" not in proc.stderr.read()  # type: ignore[union-attr]
 
 
 @pytest.mark.parametrize(
@@ -154,6 +181,8 @@ async def test_nul_bytes_anywhere_are_dead_lettered_and_the_partition_moves_on(
         assert "key: b'k\\x00ey'" in shown[f"{run}-key"]
         assert "header user\\x00name = v\\x00\\xff" in shown[f"{run}-header"]
         assert all("\x00" not in out for out in shown.values())
+        if target.endswith("inbox_apps:app"):  # the console reads the same rows either way
+            await _console_shows_them_escaped(settings, group, topic, run)
     finally:
         if consumer.poll() is None:
             consumer.send_signal(signal.SIGTERM)
