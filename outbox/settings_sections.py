@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import NoDecode
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError
@@ -65,6 +65,23 @@ class RelaySettings(_Section):
     def _check_url(cls, value: SecretStr | None) -> SecretStr | None:
         return None if value is None else postgres_url(value, "relay.database_url")
 
+    @model_validator(mode="after")
+    def _check_takeover(self) -> RelaySettings:
+        # Fewer heartbeats than this and one slow beat would look like a frozen relay; a
+        # relay stops beating when it starts shutting down, and its draining must end first.
+        least = max(3 * self.heartbeat_seconds, self.shutdown_grace_seconds + 1)
+        if "takeover_seconds" not in self.model_fields_set:
+            # Unset: the default, or what the other settings need (the model is frozen).
+            object.__setattr__(self, "takeover_seconds", max(self.takeover_seconds, least))
+        elif self.takeover_seconds < least:
+            raise ValueError(
+                f"relay.takeover_seconds ({self.takeover_seconds:g}) must be at least three "
+                f"heartbeats (relay.heartbeat_seconds = {self.heartbeat_seconds:g}) and "
+                "longer than relay.shutdown_grace_seconds "
+                f"({self.shutdown_grace_seconds:g}) by a second"
+            )
+        return self
+
     batch_size: int = Field(2000, ge=1, le=50_000, description="Rows claimed per batch.")
     pipelines: int = Field(
         2,
@@ -115,6 +132,15 @@ class RelaySettings(_Section):
     )
     heartbeat_seconds: float = Field(
         1.0, gt=0, description="Lane rebalance and heartbeat period; bounds takeover time."
+    )
+    takeover_seconds: float = Field(
+        10.0,
+        gt=0,
+        description="A relay silent this long (no heartbeat: frozen, SIGSTOPped, a stuck "
+        "host) has its idle database sessions ended by the others, which take over its "
+        "lanes or the WAL slot; a relay publishes nothing more than half of this after "
+        "its last round trip on the session that holds them. At least three heartbeats "
+        "and longer than shutdown_grace_seconds (unset: 10, or that much when longer).",
     )
     cleanup_interval_seconds: float = Field(
         0,

@@ -41,6 +41,7 @@ from relay.registration import Identity, Registration
 from relay.sources import entry_for
 from relay.sources.base import Shared
 from relay.store import RelayStore
+from relay.takeover import Takeover
 from relay.verdict import Verdicts
 from relay.waiting import sleep_unless
 
@@ -57,7 +58,7 @@ class Relay:
         self._metrics_port = metrics_port
         self.identity = Identity()
         self.metrics = RelayMetrics(lanes=settings.lanes)
-        self.database = Database(settings)
+        self.database = Database(settings, (self.identity.pid, self.identity.hostname))
         # Shared by every task: one log line per database outage, and the status line's
         # "unknown" while it lasts.
         self._database_state = Dependency("database", log)
@@ -92,6 +93,7 @@ class Relay:
             shared.guard(),
             Leadership(store, self.maintenance),
             settings.relay.heartbeat_seconds,
+            Takeover(self.identity.relay_id, store, self.metrics, settings.relay.takeover_seconds),
         )
         self._stopping: asyncio.Event | None = None
         self._tasks: list[asyncio.Task[None]] = []

@@ -20,6 +20,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from outbox.db import async_engine, replication_connection, unprepared_connection
 from outbox.errors import PoolerUnsupported
 from outbox.poolers import SessionProbe, probe_session, refusal
+from outbox.sessions import relay_application
 from outbox.settings import OutboxSettings
 
 Connection = psycopg.AsyncConnection[tuple[Any, ...]]
@@ -53,14 +54,21 @@ class Database:
     """The relay's database, as its components reach it (they never see the settings)."""
 
     settings: OutboxSettings  # the relay's: settings.for_relay()
+    # The relay process, named in every session (outbox/sessions.py): (pid, host).
+    process: tuple[int, str] | None = None
+
+    def _named(self, application_name: str) -> str:
+        if self.process is None:
+            return application_name
+        return relay_application(application_name, *self.process)
 
     async def connect(self, application_name: str) -> Connection:
         """An autocommit connection that prepares nothing (``unprepared_connection``)."""
-        return await unprepared_connection(self.settings, application_name)
+        return await unprepared_connection(self.settings, self._named(application_name))
 
     async def replication(self, application_name: str) -> Connection:
         """A replication connection (the WAL source streams its slot over one)."""
-        return await replication_connection(self.settings, application_name)
+        return await replication_connection(self.settings, self._named(application_name))
 
     async def check_session(self, conn: psycopg.AsyncConnection[Any] | None = None) -> SessionProbe:
         return await check_session(self.settings, conn)

@@ -113,7 +113,13 @@ class RelayMetrics:
         self.wal_table_holding = Gauge(
             "outbox_relay_wal_table_rows_holding",
             "WAL source: rows of the outbox table older than the next WAL transaction; the "
-            "stream waits until a relay of the table source has published them (0: none).",
+            "stream waits until they are published, by this relay or a table relay (0: none).",
+            registry=r,
+        )
+        self.takeovers = Counter(
+            "outbox_relay_takeovers",
+            "Silent relays (no heartbeat for relay.takeover_seconds: frozen) whose idle "
+            "database sessions this relay ended, so that their lanes or the WAL slot move on.",
             registry=r,
         )
         self.maintenance_leader = Gauge(

@@ -5,8 +5,10 @@ the lanes it owns (none for a source without lanes), and refreshes its row every
 ``relay.heartbeat_seconds`` on a connection of its own. The row is for people and tools
 (`outbox status`, `outbox lag`, the console); nothing decides ownership by it. The same
 connection holds the maintenance lock when this relay is the maintenance leader
-(relay/maintenance/leader.py), and each heartbeat says whether it is. Rows of relays silent
-for ten heartbeats are deleted by whichever relay beats next.
+(relay/maintenance/leader.py), and each heartbeat says whether it is. After its own beat a
+relay ends the idle sessions of relays silent for ``relay.takeover_seconds`` (frozen:
+relay/takeover.py); rows of relays silent for ten heartbeats (twice the takeover time at
+least) are deleted by whichever relay beats next.
 """
 
 from __future__ import annotations
@@ -23,9 +25,12 @@ from dataclasses import dataclass, field
 import psycopg
 
 from relay.database import Connection, Database
+from relay.fence import now as fence_now
+from relay.fence import since
 from relay.maintenance.leader import Leadership
 from relay.outage import DATABASE_ERRORS, OutageGuard
 from relay.store import RelayStore
+from relay.takeover import Takeover
 from relay.waiting import sleep_unless
 
 log = logging.getLogger("relay")
@@ -56,6 +61,7 @@ class Registration:
         guard: OutageGuard,
         leadership: Leadership,
         heartbeat_seconds: float,
+        takeover: Takeover,
     ) -> None:
         self.identity = identity
         self._source = source
@@ -65,6 +71,9 @@ class Registration:
         self._guard = guard
         self._leadership = leadership
         self._heartbeat = heartbeat_seconds
+        self._takeover = takeover
+        # Rows outlive a takeover: a relay is only forgotten after its sessions were ended.
+        self._forget_after = max(10 * heartbeat_seconds + 5, 2 * takeover.seconds)
         self._conn: Connection | None = None
 
     @property
@@ -83,7 +92,7 @@ class Registration:
                 except DATABASE_ERRORS as exc:
                     await self._guard.survive(exc, stopping, self._drop)
                     continue
-                await sleep_unless(stopping, self._heartbeat)
+                await self._sleep(stopping)
         finally:
             await self._leadership.lost()
 
@@ -101,7 +110,23 @@ class Registration:
                 "maintenance": leading,
             },
         )
-        await conn.execute(self._store.forget_dead, {"seconds": 10 * self._heartbeat + 5})
+        await self._takeover.run(conn)
+        await conn.execute(self._store.forget_dead, {"seconds": self._forget_after})
+
+    async def _sleep(self, stopping: asyncio.Event) -> None:
+        """Until the next beat; a wake far later than that means the process was frozen
+        (SIGSTOP, a stopped VM) or its loop blocked: past the takeover time, the others may
+        have ended its sessions (relay/takeover.py), which its sources find out at their
+        next round trip. Said once, here, where the cause is known."""
+        slept = fence_now()
+        await sleep_unless(stopping, self._heartbeat)
+        late = since(slept, fence_now()) - self._heartbeat
+        if late > self._takeover.seconds:
+            log.warning(
+                "this relay was frozen for %.0f s (no heartbeat): the other relays may have "
+                "taken over its lanes or the WAL slot meanwhile; it rejoins now",
+                late,
+            )
 
     async def _drop(self) -> None:
         """The connection is gone: so are the maintenance lock and the services."""

@@ -106,6 +106,44 @@ class RelayStore:
         ).format(relays=self._relays)
 
     @cached_property
+    def any_silent(self) -> sql.Composed:
+        """Whether a relay other than %(relay_id)s has been silent for %(seconds)s: a cheap
+        look at every heartbeat, before :attr:`silent_sessions` (which costs ~2 ms to plan)."""
+        return sql.SQL(
+            "SELECT EXISTS (SELECT 1 FROM {relays} WHERE relay_id <> %(relay_id)s"
+            " AND heartbeat_at < now() - make_interval(secs => %(seconds)s))"
+        ).format(relays=self._relays)
+
+    @cached_property
+    def silent_sessions(self) -> sql.Composed:
+        """The database sessions of relays silent for %(seconds)s (no heartbeat), other
+        than %(relay_id)s, opened before their relay's last heartbeat (a relay restarted
+        under the same pid and host opens new ones), each with how long it has been quiet:
+        a walsender since its client last replied, any other session since its state last
+        changed (NULL: not visible to this role). Matched by the ``pid@host`` in their
+        application_name, roughly here and exactly by the caller (relay/takeover.py; names
+        are cut at 63 bytes)."""
+        return sql.SQL(
+            "WITH silent AS (SELECT relay_id, hostname, pid, heartbeat_at,"
+            " extract(epoch FROM now() - heartbeat_at)::float8 AS silent_for"
+            " FROM {relays} WHERE heartbeat_at < now() - make_interval(secs => %(seconds)s)"
+            " AND relay_id <> %(relay_id)s)"
+            " SELECT s.relay_id, s.hostname, s.pid, s.silent_for, a.pid, a.application_name,"
+            " extract(epoch FROM now() - CASE WHEN a.backend_type = 'walsender'"
+            " THEN coalesce(r.reply_time, a.backend_start) ELSE a.state_change END)::float8"
+            " FROM silent s"
+            " JOIN pg_stat_activity a ON a.datname = current_database()"
+            " AND starts_with(a.application_name, 'outbox-relay')"
+            " AND strpos(a.application_name, ' ' || s.pid || '@') > 0"
+            " LEFT JOIN pg_stat_replication r ON r.pid = a.pid"
+            " WHERE a.backend_start IS NULL OR a.backend_start < s.heartbeat_at"
+            " ORDER BY s.relay_id, a.pid"
+        ).format(relays=self._relays)
+
+    # Params: pid. True when the session was signalled; an error without the privilege.
+    end_session = "SELECT pg_terminate_backend(%(pid)s)"
+
+    @cached_property
     def leave(self) -> sql.Composed:
         return sql.SQL("DELETE FROM {relays} WHERE relay_id = %(relay_id)s").format(
             relays=self._relays

@@ -62,14 +62,6 @@ PLUGIN = "pgoutput"
 # application_name of the WAL relay's reading connection (relay/sources/wal/source.py): how doctor
 # and lag find the relays of a slot.
 READER_APPLICATION = "outbox-relay-wal"
-_NAMEDATALEN = 64  # PostgreSQL keeps 63 bytes of an application name
-
-
-def relay_application(base: str, pid: int, host: str) -> str:
-    """The application name of a WAL relay's connection: ``base`` and the relay process
-    that opened it (``1234@host``). PostgreSQL shows each session's backend pid, and an
-    operator who kills that kills a database backend, not the relay."""
-    return f"{base} {pid}@{host}".encode("ascii", "replace")[: _NAMEDATALEN - 1].decode()
 
 
 @dataclass(frozen=True)

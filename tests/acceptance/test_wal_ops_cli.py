@@ -15,7 +15,7 @@ from pydantic import SecretStr
 from sqlalchemy.engine import make_url
 
 from outbox.ops.wal_slot import READER_APPLICATION as READER
-from outbox.ops.wal_slot import relay_application
+from outbox.sessions import relay_application
 from outbox.settings import OutboxSettings
 from tests.acceptance.conftest import Cli, SchemaFactory
 from tests.acceptance.test_wal_setup_cli import wal_cli

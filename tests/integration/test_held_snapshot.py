@@ -335,7 +335,7 @@ async def test_two_relays_with_a_held_snapshot_keep_per_key_order(
             admin.execute(
                 "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
                 " WHERE application_name LIKE 'outbox-relay-%%' AND datname = current_database()"
-                " AND application_name <> 'outbox-relay-lanes'"
+                " AND application_name NOT LIKE 'outbox-relay-lanes %%'"
             )
         await asyncio.to_thread(done.wait, 60)
         producer.join()

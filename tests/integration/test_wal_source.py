@@ -16,6 +16,7 @@ import uuid
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+import psycopg
 import pytest
 from sqlalchemy import Engine, text
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -24,6 +25,7 @@ from outbox import TOMBSTONE, Message, Outbox, UnsupportedInWalMode
 from outbox.settings import OutboxSettings
 from outbox.tables import build_tables
 from relay.sources.wal.store import lsn_int
+from relay.store import namespaces
 from tests.support.kafka import create_topic, free_port, read_all
 from tests.support.relay import (
     RelayProcess,
@@ -485,48 +487,87 @@ async def test_a_missing_topics_events_wait_while_other_topics_flow_then_go_in_o
     assert re.search(rf"Kafka {missing} takes events again: its [36] held events are", log), log
 
 
-async def test_a_delayed_table_row_holds_nothing_and_a_stray_one_is_warned_about_until_drained(
+async def test_table_rows_in_wal_mode_are_published_by_the_reader_in_key_order(
     engine: Engine,
     settings: OutboxSettings,
     new_topic: Callable[..., Awaitable[str]],
     tmp_path: Path,
 ) -> None:
     # Issue 51: the gate that lets older table rows go first held every WAL event for a
-    # delayed row's whole delay, and for a stray table-mode row it held them for ever,
-    # with one INFO line.
+    # delayed row's whole delay, and for a stray table-mode row it held them for ever (no
+    # table relay), with one INFO line. Now the reader publishes the table's rows itself,
+    # at hold points (relay/sources/wal/table_rows.py); no table relay runs here.
     topic = await new_topic(partitions=2)
     table = settings.model_copy(update={"source": "table"})
     port = free_port()
     relay = RelayProcess(_env(settings), tmp_path, "wal", "--metrics-port", str(port))
-    table_relay: RelayProcess | None = None
+    expected: list[str] = []
+
+    async def arrived(ids: list[str], within: float) -> None:
+        records = await read_ids(settings.kafka_bootstrap_servers, topic, ids, within)
+        assert not set(ids) - {r.headers["ce_id"].decode() for r in records}, relay.log()[-3000:]
+
     try:
         with engine.begin() as conn:  # a delayed event, in table mode, of key k0
             Outbox(table).publish(
                 conn, topic=topic, key="k0", event_type="t.delayed", payload={}, delay_seconds=60
             )
-        ids = publish_numbered(engine, settings, topic, 50, keys=5)
-        records = await read_ids(settings.kafka_bootstrap_servers, topic, ids, 20)
-        v = verdict(records, ids)
-        assert (v.lost, v.out_of_order) == (0, 0), (v, relay.log()[-3000:])
+        expected += publish_numbered(engine, settings, topic, 50, keys=5)
+        await arrived(expected, 20)
         assert "the WAL stream waits" not in relay.log()
-        # A stray table-mode publish (a cron job with the old setting), then WAL events:
-        # they wait for it, loudly, with the gauge up, until a table relay drains it.
+        # A stray table-mode publish (a cron job with the old setting), the stream idle:
+        # published within 5 s with no table relay.
+        started = time.monotonic()
         stray = publish_numbered(engine, table, topic, 1, keys=5, start=50)
-        later = publish_numbered(engine, settings, topic, 50, keys=5, start=51)
-        assert wait_until(lambda: "the WAL stream waits" in relay.log(), 30), relay.log()[-3000:]
-        [line] = [x for x in relay.log().splitlines() if "the WAL stream waits" in x]
-        assert f"1 unpublished row(s) older than the next WAL transaction ({topic} 1)" in line
-        assert "OUTBOX_SOURCE=table" in line and "WARNING" in line, line
-        _metrics_when(port, lambda lines: "outbox_relay_wal_table_rows_holding 1.0" in lines)
-        table_relay = RelayProcess(relay_env(table), tmp_path, "table")
-        everything = ids + stray + later
-        records = await read_ids(settings.kafka_bootstrap_servers, topic, everything, 60)
-        v = verdict(records, everything)
-        # (The delayed event may come too, once its minute is up: not counted.)
+        await arrived(stray, 10)
+        idle_stray = time.monotonic() - started
+        # One more, followed by WAL events of every key: they come after it.
+        expected += stray + publish_numbered(engine, table, topic, 1, keys=5, start=51)
+        expected += publish_numbered(engine, settings, topic, 50, keys=5, start=52)
+        await arrived(expected, 20)
+        # While a table relay's claim holds every lane's fence, the stream waits for the
+        # stray row behind it, loudly, with the gauge up; then it goes, still first.
+        fence = namespaces(settings.db_schema, settings.table_prefix)[2]
+        warned = relay.log().count("the WAL stream waits")
+        with psycopg.connect(settings.libpq_dsn) as claim:
+            claim.execute(
+                "SELECT pg_advisory_xact_lock(%s, lane) FROM generate_series(0, %s - 1) lane",
+                (fence, settings.lanes),
+            )
+            expected += publish_numbered(engine, table, topic, 1, keys=5, start=102)
+            expected += publish_numbered(engine, settings, topic, 50, keys=5, start=103)
+            assert wait_until(lambda: relay.log().count("the WAL stream waits") > warned, 30)
+            line = [x for x in relay.log().splitlines() if "the WAL stream waits" in x][-1]
+            assert f"1 unpublished row(s) older than the next WAL transaction ({topic} 1)" in line
+            assert "this relay publishes them" in line and "WARNING" in line, line
+            _metrics_when(port, lambda lines: "outbox_relay_wal_table_rows_holding 1.0" in lines)
+            await asyncio.sleep(1)
+        released = time.monotonic()
+        await arrived(expected[-51:-50], 10)
+        after_release = time.monotonic() - released
+        # A row a table relay put back for later (a partition Kafka did not answer for):
+        # the next row of its lane (its key, here) waits behind it, 3 s.
+        back = publish_numbered(engine, table, topic, 1, keys=5, start=153)
+        events = f'"{settings.db_schema}"."{settings.table_prefix}events"'
+        with engine.begin() as conn:
+            conn.execute(
+                text(
+                    f"UPDATE {events} SET attempts = 1, last_error = 'PartitionUnavailable',"
+                    " available_at = now() + interval '3 seconds' WHERE event_id = :id"
+                ),
+                {"id": back[0]},
+            )
+        expected += back + publish_numbered(engine, table, topic, 1, keys=5, start=158)
+        records = await read_ids(settings.kafka_bootstrap_servers, topic, expected, 30)
+        mine = [r for r in records if r.headers["ce_id"].decode() in set(expected)]
+        v = verdict(mine, expected)
         assert (v.lost, v.out_of_order) == (0, 0), (v, relay.log()[-3000:])
         _metrics_when(port, lambda lines: "outbox_relay_wal_table_rows_holding 0.0" in lines)
-        assert "publishing from the slot" in relay.log()
+        assert "published rows of the outbox table" in relay.log()
+        print(
+            f"stray row, idle stream: {idle_stray:.2f} s; once the fences freed: "
+            f"{after_release:.2f} s"
+        )
+        assert idle_stray < 5 and after_release < 5
     finally:
         relay.kill()
-        if table_relay is not None:
-            table_relay.kill()

@@ -57,7 +57,7 @@ def _gate(conn: _Conn, gauge: Gauge | None = None, clock: list[float] | None = N
         return conn
 
     now = clock or [0.0]
-    return TableGate("oldest", "holding", connect, gauge or _gauge(), lambda: now[0])
+    return TableGate("oldest", "holding", "due", connect, gauge or _gauge(), lambda: now[0])
 
 
 async def test_rows_created_after_a_commit_do_not_hold_it_and_one_read_serves_earlier_commits() -> (
@@ -108,6 +108,6 @@ async def test_while_rows_hold_the_stream_it_warns_every_minute_with_counts_and_
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert len(warnings) == 2 and conn.counted == 2
     assert "holds 4 unpublished row(s)" in warnings[0] and "(orders 3, payments 1)" in warnings[0]
-    assert "OUTBOX_SOURCE=table" in warnings[0]
+    assert "this relay publishes them" in warnings[0]
     assert registry.get_sample_value("holding") == 0
     assert caplog.records[-1].getMessage().endswith("publishing from the slot")

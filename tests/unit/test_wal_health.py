@@ -22,9 +22,9 @@ from outbox.ops.wal_slot import (
     SlotState,
     WalReader,
     WalState,
-    relay_application,
     setup_sql,
 )
+from outbox.sessions import relay_application
 from outbox.settings import OutboxSettings
 
 GIB = 1 << 30

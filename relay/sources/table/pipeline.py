@@ -43,6 +43,8 @@ from relay.database import Connection, Database
 from relay.errors import PartitionUnavailable
 from relay.event import ATTEMPTS, ID, LANE, TOPIC, Event
 from relay.failed import report_moved
+from relay.fence import Fence
+from relay.fence import now as fence_now
 from relay.kafka.outcome import Outcome
 from relay.kafka.publisher import Publisher
 from relay.kafka.state import KafkaState
@@ -98,6 +100,8 @@ class Pipeline:
         self._wakeable: bool | None = None  # the outbox table has the wake-up trigger
         self._rotation = 0
         self._tried_at = -1e9  # loop time this pipeline last claimed (Kafka down: a probe)
+        # A claim frozen before its publish is not sent once others may own its lanes.
+        self._fence = Fence(settings.takeover_seconds, self._prove, f"pipeline {index}'s claim")
 
     def _my_lanes(self) -> list[int]:
         mine = self._claimers.lanes(self._index, sorted(self._lanes.owned))
@@ -207,6 +211,11 @@ class Pipeline:
                 )
         return conn
 
+    async def _prove(self) -> None:
+        """A round trip in the claiming transaction: it fails once the session is gone."""
+        assert self._conn is not None
+        await (await self._conn.execute(b"SELECT 1")).fetchone()
+
     async def _close(self) -> None:
         # The session's locks, its wake slot among them, end with it.
         conn, self._conn, self._slot = self._conn, None, None
@@ -250,6 +259,7 @@ class Pipeline:
         assert conn is not None
         loop = asyncio.get_running_loop()
         started = self._tried_at = loop.time()
+        claim_sent = fence_now()  # the fence's clock (the loop's may be uvloop's)
         outcome: Outcome | None = None
         rows: list[Event] = []
         # Where each lane's scan starts (relay/sources/table/cursor.py); with a horizon known, the
@@ -322,6 +332,10 @@ class Pipeline:
                 if probe is not None:
                     first_pending = {int(lane): first for lane, first in await probe.fetchall()}
                 if rows:
+                    # The claim was the last round trip: if it was sent long ago (a
+                    # freeze), the session may have been ended and the lanes taken over.
+                    self._fence.answered(claim_sent)
+                    await self._fence.check()
                     # Claimed per lane in id order already; one sort makes it explicit and
                     # costs far less than a round trip.
                     rows.sort(key=_by_id)

@@ -222,6 +222,78 @@ class ClaimStore(RelayStore):
             .as_bytes(None)
         )
 
+    # Rows due that the WAL source may publish (relay/sources/wal/table_rows.py): created at
+    # or before %(until)s, and with no earlier row of their lane put back for later (a
+    # table relay's retry of a partition Kafka did not answer for, a missing topic): the
+    # later row must not pass it. Rows delayed at publish hold nothing, as in both sources.
+    _TAKEABLE = (
+        "{e}.published_at IS NULL AND {e}.available_at <= now() AND {e}.created_at <= %(until)s"
+        " AND NOT EXISTS (SELECT 1 FROM {events} b WHERE b.lane = {e}.lane AND b.id < {e}.id"
+        " AND b.published_at IS NULL AND b.available_at > now()"
+        " AND NOT (b.attempts = 0 AND b.last_error IS NULL AND b.available_at > b.created_at))"
+    )
+
+    @cached_property
+    def lanes_takeable(self) -> sql.Composed:
+        """The lanes that hold rows the WAL source may publish (see ``_TAKEABLE``): the
+        only fences it takes."""
+        return sql.SQL("SELECT DISTINCT e.lane FROM {events} e WHERE {takeable}").format(
+            events=self._events,
+            takeable=sql.SQL(self._TAKEABLE).format(e=sql.Identifier("e"), events=self._events),
+        )
+
+    @cached_property
+    def any_takeable(self) -> sql.Composed:
+        """Whether the table has a row the WAL source may publish (``_TAKEABLE``): whether
+        a hold point would publish anything (relay/sources/wal/reading.py)."""
+        return sql.SQL("SELECT EXISTS (SELECT 1 FROM {events} e WHERE {takeable})").format(
+            events=self._events,
+            takeable=sql.SQL(self._TAKEABLE).format(e=sql.Identifier("e"), events=self._events),
+        )
+
+    @cached_property
+    def take_created_until(self) -> sql.Composed:
+        """The WAL source publishing the table's rows itself (relay/sources/wal/
+        table_rows.py): up to %(limit)s rows of ``_TAKEABLE``, of the lanes whose fence
+        :attr:`fence` won earlier in this transaction, in id order within %(max_bytes)s;
+        claimed (deleted or marked) as :attr:`claim` claims, returning events. Without the
+        lanes' cursors: the WAL relay owns no lane, and its rows are few (a stray publish,
+        the tail of a switch)."""
+        picked = sql.SQL(
+            "WITH picked AS ("
+            " SELECT e.id, coalesce(octet_length(e.payload), 0) AS size FROM {events} e"
+            " WHERE e.lane = ANY({fenced}) AND {takeable}"
+            " ORDER BY e.id LIMIT %(limit)s FOR UPDATE SKIP LOCKED"
+            "), "
+        ).format(
+            fenced=_FENCED_LANES,
+            events=self._events,
+            takeable=sql.SQL(self._TAKEABLE).format(e=sql.Identifier("e"), events=self._events),
+        )
+        return picked + _WITHIN_BUDGET + self._claimed + sql.SQL(" RETURNING ") + _returning("d")
+
+    @cached_property
+    def delete_moved(self) -> sql.Composed:
+        """Keep mode: the rows of %(ids)s that went to the failed table meanwhile (their
+        event ids are there) are deleted, not left marked published."""
+        return sql.SQL(
+            "DELETE FROM {events} d WHERE d.id = ANY(%(ids)s::int8[])"
+            " AND EXISTS (SELECT 1 FROM {failed} f WHERE f.event_id = d.event_id)"
+        ).format(events=self._events, failed=self._failed)
+
+    @cached_property
+    def _claimed(self) -> sql.Composed:
+        """What claiming the rows of ``within`` does: marks them published (keep mode) or
+        deletes them."""
+        if self.keep:
+            return sql.SQL(
+                "UPDATE {events} d SET published_at = now()"
+                " WHERE d.id = ANY(ARRAY(SELECT p.id FROM within p))"
+            ).format(events=self._events)
+        return sql.SQL(
+            "DELETE FROM {events} d WHERE d.id = ANY(ARRAY(SELECT p.id FROM within p))"
+        ).format(events=self._events)
+
     @cached_property
     def claim(self) -> bytes:
         """Params: lanes (int[] in scan order), after (int8[]: per lane, the cursor the scan
@@ -244,19 +316,10 @@ class ClaimStore(RelayStore):
             " ) c LIMIT %(limit)s"
             "), "
         ).format(fenced=_FENCED_LANES, events=self._events)
-        # id = ANY(ARRAY(...)): one primary-key probe per picked row. A join with the
-        # picked rows may be planned as a merge join over the whole primary key, which walks
-        # every dead entry of a held snapshot even when nothing was picked.
-        if self.keep:
-            action = sql.SQL(
-                "UPDATE {events} d SET published_at = now()"
-                " WHERE d.id = ANY(ARRAY(SELECT p.id FROM within p))"
-            ).format(events=self._events)
-        else:
-            action = sql.SQL(
-                "DELETE FROM {events} d WHERE d.id = ANY(ARRAY(SELECT p.id FROM within p))"
-            ).format(events=self._events)
-        claim = picked + _WITHIN_BUDGET + action + sql.SQL(" RETURNING ") + _returning("d")
+        # id = ANY(ARRAY(...)) in _claimed: one primary-key probe per picked row. A join
+        # with the picked rows may be planned as a merge join over the whole primary key,
+        # which walks every dead entry of a held snapshot even when nothing was picked.
+        claim = picked + _WITHIN_BUDGET + self._claimed + sql.SQL(" RETURNING ") + _returning("d")
         return claim.as_bytes(None)
 
     @cached_property

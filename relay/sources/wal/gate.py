@@ -33,7 +33,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 import psycopg
@@ -52,11 +52,13 @@ class TableGate:
         self,
         oldest: Any,
         holding: Any,
+        due: Any,
         connect: Connect,
         rows_holding: Gauge,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._clock = clock
+        self._due = due  # ClaimStore.any_takeable: a row due, created at or before %(until)s
         self._statement = oldest  # WalStore.table_oldest: (oldest created_at, read at)
         self._holding_rows = holding  # WalStore.table_holding: (topic, count) per topic
         self._connect = connect
@@ -83,6 +85,14 @@ class TableGate:
         self._holding = holds
         return not holds
 
+    async def rows_due(self, until: datetime | None = None) -> bool:
+        """Whether the table has a row due now, created at or before ``until`` (None: ever):
+        the reader then publishes them (table_rows.py)."""
+        conn = await self._connect()
+        cur = await conn.execute(self._due, {"until": until or datetime.max.replace(tzinfo=UTC)})
+        row = await cur.fetchone()
+        return bool(row and row[0])
+
     async def _warn(self, commit_time: datetime) -> None:
         """Said when the stream starts waiting and again every REPEAT_SECONDS while it does:
         what it waits for, and what clears it (a stalled stream must never go quiet)."""
@@ -98,8 +108,8 @@ class TableGate:
         )
         log.warning(
             "the WAL stream waits: the outbox table holds %d unpublished row(s) older than "
-            "the next WAL transaction (%s%s); they go first — run a relay with "
-            "OUTBOX_SOURCE=table until `outbox lag` shows 0 pending",
+            "the next WAL transaction (%s%s); they go first: this relay publishes them "
+            "(what Kafka refuses goes to `outbox failed`; `outbox lag` shows what is left)",
             total,
             named or "none left",
             more,

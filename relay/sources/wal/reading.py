@@ -24,12 +24,14 @@ import logging
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
+from datetime import datetime
 
 import psycopg
 
 from outbox import pgoutput, wal_codec
 from outbox.settings import RelaySettings, WalSettings
 from relay.database import Connection
+from relay.fence import now as fence_now
 from relay.outage import OutageGuard
 from relay.sources.wal.gate import TableGate
 from relay.sources.wal.settling import Settler
@@ -37,6 +39,7 @@ from relay.sources.wal.slot import ReaderLock
 from relay.sources.wal.store import WalStore, lsn_text
 from relay.sources.wal.stream import WalStream
 from relay.sources.wal.streams import KeyStream, Mark, Wake, needs, observed
+from relay.sources.wal.table_rows import TableRows
 
 log = logging.getLogger("relay.wal")
 
@@ -46,6 +49,8 @@ STATUS_SECONDS = 10.0
 # While transactions keep coming, a position to confirm is marked at a transaction end
 # this often at least (and every ``wal.batch_changes`` records).
 MARK_SECONDS = 0.05
+# How often an idle stream looks at the outbox table for rows due (table_rows.py).
+TABLE_LOOK_SECONDS = 2.0
 
 
 def _unreadable(exc: wal_codec.WalMessageInvalid, lsn: int) -> wal_codec.WalMessageInvalid:
@@ -59,7 +64,12 @@ def _unreadable(exc: wal_codec.WalMessageInvalid, lsn: int) -> wal_codec.WalMess
 
 
 class _TableFirst(Exception):
-    """The outbox table holds unpublished rows older than the transaction just read."""
+    """The outbox table holds unpublished rows older than the transaction just read (or, at
+    a heartbeat, rows due): a hold point at that transaction's commit time."""
+
+    def __init__(self, commit_time: datetime) -> None:
+        super().__init__(commit_time)
+        self.commit_time = commit_time
 
 
 class Reader:
@@ -77,6 +87,7 @@ class Reader:
         guard: OutageGuard,
         wake: Wake,
         sql: Callable[[], Connection],
+        table_rows: TableRows,
     ) -> None:
         self._wal = wal
         self._replication = replication  # opens a named replication connection
@@ -87,6 +98,8 @@ class Reader:
         self._guard = guard
         self._wake = wake
         self._sql = sql  # the reader lock's connection (heartbeats go there)
+        self._table_rows = table_rows
+        self._table_looked_at = 0.0  # loop time the idle stream last looked for due rows
         self._batch_size = relay.batch_size
         self._streams = max(1, relay.pipelines)
         # Two batches per stream may be around at once (one filling, one in flight).
@@ -113,9 +126,9 @@ class Reader:
 
     async def read(self, stopping: asyncio.Event) -> bool:
         """Stream the slot until stopping; False when it stopped for the outbox table
-        (unpublished rows go first: the caller waits a poll interval) or another session
-        streams the slot (its reader is going away: a standby's turn comes within
-        seconds)."""
+        (unpublished rows go first: the caller waits a poll interval, unless this published
+        some of them: then True) or another session streams the slot (its reader is going
+        away: a standby's turn comes within seconds)."""
         wal = self._wal
         try:
             ws = await WalStream.start(
@@ -138,20 +151,23 @@ class Reader:
         self._guard.ok()
         streams = [KeyStream() for _ in range(self._streams)]
         marks: deque[Mark] = deque()
+        hold: datetime | None = None  # the commit time of the transaction the table holds
+        held_any = False  # events before it wait for an unavailable partition
         try:
             await self._stream(ws, streams, marks, stopping)
             return True
-        except _TableFirst:
+        except _TableFirst as first:
             # Publish and confirm what came before the transaction that must wait: the
             # next stream starts right after it.
             for stream in streams:
                 if stream.rows:
                     await self._hand_over(stream, ws, streams, marks)
-            return False
+            hold = first.commit_time
         finally:
             # Stopping, an error or waiting for the table: what is in flight finishes (or
             # is given up on stopping), what it settled is confirmed, the rest is read
             # again by the next stream (duplicates at worst, never loss).
+            held_any = bool(self._settler.held)
             try:
                 pending = [st.sending for st in streams if st.sending is not None]
                 if pending:
@@ -164,6 +180,13 @@ class Reader:
                         stream.sending.cancel()
                 await self._settler.held.close()
                 await ws.close()
+        # A hold point (table_rows.py): the table's rows created up to it go now, but only
+        # once every event read before it is settled, none held for a partition (a later
+        # row of its key must not pass it).
+        assert hold is not None  # only the hold's path comes this far
+        if held_any or any(st.done != st.handed for st in streams):
+            return False
+        return await self._table_rows.publish(hold, stopping) > 0
 
     async def _stream(
         self,
@@ -175,6 +198,7 @@ class Reader:
         loop = asyncio.get_running_loop()
         prefix, batch_size, batch_bytes = self._wal.prefix, self._batch_size, self._batch_bytes
         mark_every, heartbeat = self._wal.batch_changes, self._wal.heartbeat_seconds
+        heartbeat_prefix = self._heartbeat_prefix
         n_streams = len(streams)
         begin_kind, message_kind, commit_kind = pgoutput.BEGIN, pgoutput.MESSAGE, pgoutput.COMMIT
         safe = marked = self._lock.confirmed or 0  # the furthest confirmable position read
@@ -206,7 +230,10 @@ class Reader:
                     self._confirm(ws, streams, marks)
                     if loop.time() - self._last_commit_at >= heartbeat:
                         await self._heartbeat()
-                    await ws.wait(self._wake.arm(), STATUS_SECONDS / 2)
+                    elif await self._table_rows_due(loop.time()):
+                        # Its commit, read next, is a hold point for them (table_rows.py).
+                        await self._heartbeat()
+                    await ws.wait(self._wake.arm(), TABLE_LOOK_SECONDS)
                     continue
                 if isinstance(item, int):  # a keepalive: every record before it was sent
                     if not in_txn and item > safe:
@@ -217,13 +244,22 @@ class Reader:
                 if kind == message_kind:
                     msg = pgoutput.message(item)
                     if msg.prefix != prefix or not msg.transactional:
+                        if msg.prefix == heartbeat_prefix and not gated and msg.transactional:
+                            # The relay's heartbeat: a hold point when table rows are due.
+                            assert begin is not None
+                            # Not while events wait for a partition: the stream would stop
+                            # and read them again, and the rows could not go anyway.
+                            if not self._settler.held and await self._gate.rows_due(begin.moment):
+                                raise _TableFirst(begin.moment)
+                            gated = True
                         continue
                     if not gated:
                         # Older table rows first (relay/sources/wal/gate.py); nothing of this
-                        # transaction is taken yet. Heartbeats are not held.
+                        # transaction is taken yet (a heartbeat holds only for rows due:
+                        # above).
                         assert begin is not None  # transactional: after its Begin
                         if not await self._gate.allows(begin.moment):
-                            raise _TableFirst
+                            raise _TableFirst(begin.moment)
                         gated = True
                     try:
                         for (
@@ -281,6 +317,9 @@ class Reader:
                     safe = pgoutput.commit(item).end_lsn
                     in_txn = False
                     now = self._last_commit_at = loop.time()
+                    if await self._table_rows_due(now):
+                        # A busy stream is never idle: its heartbeat is the hold point.
+                        await self._heartbeat()
                     if records >= mark_every or now - marked_at >= MARK_SECONDS:
                         # A stream that keeps coming seldom leaves the buffer empty.
                         marks.append(Mark(safe, needs(streams), oldest))
@@ -306,10 +345,21 @@ class Reader:
         elif force or ws.reply_requested or time.monotonic() - ws.sent_at >= STATUS_SECONDS:
             ws.confirm(self._lock.confirmed or 0)
 
+    async def _table_rows_due(self, now: float) -> bool:
+        """Every TABLE_LOOK_SECONDS: whether the outbox table has rows due that no WAL
+        transaction may come to hold (a stray publish on an idle stream; a row delayed at
+        publish, which holds nothing)."""
+        if now - self._table_looked_at < TABLE_LOOK_SECONDS or self._settler.held:
+            return False
+        self._table_looked_at = now
+        return await self._gate.rows_due()
+
     async def _heartbeat(self) -> None:
         """A transactional message in a transaction of its own, on the SQL connection: its
         commit comes through the stream as a position to confirm (an idle slot moves)."""
+        sent = fence_now()
         await self._sql().execute(self._store.heartbeat, {"prefix": self._heartbeat_prefix})
+        self._lock.fence.answered(sent)
         self._last_commit_at = asyncio.get_running_loop().time()
 
     async def _hand_over(

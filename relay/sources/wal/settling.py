@@ -33,6 +33,7 @@ from relay.event import (
     with_identity,
 )
 from relay.failed import report_moved
+from relay.fence import Fence
 from relay.kafka.outcome import Outcome
 from relay.kafka.publisher import Publisher
 from relay.kafka.state import KafkaState
@@ -63,6 +64,7 @@ class Settler:
         relay_store: RelayStore,
         side: SideConnection,
         wake: Wake,
+        fence: Fence,
     ) -> None:
         self._lanes = lanes
         self._publisher = publisher
@@ -73,11 +75,12 @@ class Settler:
         self._relay_store = relay_store
         self._side = side
         self._wake = wake
+        self._fence = fence  # nothing goes to Kafka once another relay may read the slot
         self._attempts: dict[str, int] = {}  # event id -> refusals so far
         self.stopping = asyncio.Event()  # the relay's, once it runs
         # Events of partitions Kafka does not answer for, while the others flow.
         self.held = HeldPartitions(
-            self._settle_in_place,
+            self.settle_in_place,
             settings.max_inflight_bytes,
             settings.batch_size,
             wake.nudge,
@@ -105,17 +108,27 @@ class Settler:
         finally:
             self._wake.nudge()
 
-    async def _settle_in_place(self, rows: list[Event]) -> bool:
-        """A held partition's events: retried in place, in order, until settled."""
-        return await self._settle(rows, None)
+    async def settle_in_place(self, rows: list[Event], within: float | None = None) -> bool:
+        """``rows`` retried in place, in order, until settled (a held partition's events;
+        the outbox table's rows, table_rows.py, for at most ``within`` seconds of
+        retries); False when stopping or out of time (nothing settled is undone: the
+        caller rolls back what it claimed)."""
+        return await self._settle(rows, None, within)
 
-    async def _settle(self, rows: list[Event], held: list[asyncio.Future[Any]] | None) -> bool:
+    async def _settle(
+        self,
+        rows: list[Event],
+        held: list[asyncio.Future[Any]] | None,
+        within: float | None = None,
+    ) -> bool:
         """Publish ``rows`` until every event is acknowledged or moved to the failed table
         (committed before the slot can move past it); while stopping it may give up early
         (False: nothing is confirmed then). With ``held`` (a list), events of an unavailable
         partition are held instead (relay/sources/wal/held.py): the futures that say when
         they are settled are added to it."""
         stopping = self.stopping
+        loop = asyncio.get_running_loop()
+        deadline = None if within is None else loop.time() + within
         todo = list(range(len(rows)))
         if held is not None and self.held:
             # A held partition's later events queue behind it (per-key order).
@@ -173,6 +186,8 @@ class Settler:
                 )
             todo = retry
             if todo:
+                if deadline is not None and loop.time() + delay > deadline:
+                    return False
                 await sleep_unless(stopping, delay)
         if self._attempts:
             for row in rows:
@@ -182,6 +197,7 @@ class Settler:
     async def _send(self, rows: list[Event], alone: bool) -> dict[int, Exception]:
         """Publish ``rows`` (in one call, or one by one in order); what failed, by index."""
         loop = asyncio.get_running_loop()
+        await self._fence.check()
         if not alone:
             started = loop.time()
             outcome = await self._publisher.publish(rows, started)
@@ -189,6 +205,7 @@ class Settler:
             return outcome.failed
         failed: dict[int, Exception] = {}
         for j, row in enumerate(rows):
+            await self._fence.check()
             started = loop.time()
             outcome = await self._publisher.publish([row], started)
             self._record(outcome, 1, loop.time() - started)

@@ -23,6 +23,8 @@ from outbox.ops.store import WAL_MAY_REPLICATE, WAL_SLOT
 from outbox.ops.wal_slot import SlotState
 from relay.database import Connection
 from relay.errors import SlotLost, SlotMissing
+from relay.fence import Fence
+from relay.fence import now as fence_now
 from relay.sources.wal import failover
 from relay.sources.wal.store import WalStore, lsn_int, lsn_text
 from relay.waiting import sleep_unless
@@ -42,9 +44,15 @@ class ReaderLock:
     """This relay's claim on the slot: whether it reads it, and how far it confirmed."""
 
     def __init__(
-        self, slot: str, store: WalStore, poll_interval_seconds: float, setup_sql: SetupSql
+        self,
+        slot: str,
+        store: WalStore,
+        poll_interval_seconds: float,
+        setup_sql: SetupSql,
+        fence: Fence,
     ) -> None:
         self.slot = slot
+        self.fence = fence  # answered by every round trip on the lock's connection
         self._store = store
         self._poll = poll_interval_seconds
         self._setup_sql = setup_sql
@@ -79,11 +87,13 @@ class ReaderLock:
             raise SlotLost(slot, confirmed, "invalidated: wal_status is 'lost'")
         if not self._checked_role:
             await self._check_role(conn)
+        sent = fence_now()
         got = await (await conn.execute(self._store.try_lock)).fetchone()
         if not (got and got[0]):
             await sleep_unless(stopping, self._poll)
             return
         self.reading = True
+        self.fence.answered(sent)
         self.confirmed = lsn_int(confirmed) if confirmed else None
         log.info("reading the slot", extra={"slot": slot, "confirmed_lsn": confirmed})
 
@@ -134,3 +144,4 @@ class ReaderLock:
         if self.reading:
             log.info("stopped reading the slot", extra={"slot": self.slot})
         self.reading = False
+        self.fence.forget()

@@ -6,7 +6,8 @@ reader), the reading itself (``reading.py``: the replication stream, batches cut
 stream, positions confirmed once settled), settling what Kafka answered (``settling.py``:
 the verdict carried out in place, the failed table), the events held for a partition Kafka
 does not answer for (``held.py``), the table rows that go first while switching between the
-sources (``gate.py``), the slot's gauges (``gauges.py``), its SQL (``store.py``) and the
+sources (``gate.py``) and are published by the reader itself (``table_rows.py``), the
+slot's gauges (``gauges.py``), its SQL (``store.py``) and the
 replication protocol (``stream.py``).
 """
 
@@ -21,12 +22,14 @@ from typing import Any
 
 import psycopg
 
-from outbox.ops.wal_slot import READER_APPLICATION, relay_application, setup_sql
+from outbox.ops.wal_slot import READER_APPLICATION, setup_sql
 from outbox.settings import OutboxSettings, RelaySettings, WalSettings
 from relay.database import Connection
+from relay.fence import Fence
 from relay.kafka.wording import Wording
 from relay.outage import DATABASE_ERRORS, OutageGuard
 from relay.sources.base import Shared
+from relay.sources.table.store import ClaimStore
 from relay.sources.wal.gate import TableGate
 from relay.sources.wal.gauges import SlotGauges
 from relay.sources.wal.reading import Reader
@@ -34,6 +37,7 @@ from relay.sources.wal.settling import Settler
 from relay.sources.wal.slot import ReaderLock, SetupSql
 from relay.sources.wal.store import WalStore
 from relay.sources.wal.streams import Wake
+from relay.sources.wal.table_rows import TableRows
 from relay.store import RelayStore
 from relay.waiting import sleep_unless
 
@@ -55,19 +59,18 @@ class WalSource:
         relay_store: RelayStore,
         setup: SetupSql,
         guard: OutageGuard,
+        claims: ClaimStore,
     ) -> None:
         self._relay = relay
         self._shared = shared
         self._database = shared.database
         self._metrics = shared.metrics
         self._guard = guard
-        # Its reading connections name the relay's process (doctor and lag show it).
-        self._named = functools.partial(
-            relay_application, pid=shared.identity.pid, host=shared.identity.hostname
-        )
         self._conn: Connection | None = None  # holds the reader lock
         self._side: Connection | None = None  # the table check and the failed table
-        self.lock = ReaderLock(wal.slot, store, relay.poll_interval_seconds, setup)
+        # Publishing stops when the lock's session may have been ended (relay/fence.py).
+        fence = Fence(relay.takeover_seconds, self._prove, "the WAL slot")
+        self.lock = ReaderLock(wal.slot, store, relay.poll_interval_seconds, setup, fence)
         self._wake = Wake()
         self._settler = Settler(
             relay,
@@ -80,18 +83,20 @@ class WalSource:
             relay_store,
             self._side_conn,
             self._wake,
+            fence,
         )
         # Switching between the sources: table rows older than a transaction go first.
         gate = TableGate(
             store.table_oldest,
             store.table_holding,
+            claims.any_takeable,
             self._side_conn,
             shared.metrics.wal_table_holding,
         )
         self.reader = Reader(
             wal,
             relay,
-            self._replication,
+            self._database.replication,
             store,
             self.lock,
             self._settler,
@@ -99,6 +104,15 @@ class WalSource:
             guard,
             self._wake,
             self._reader_conn,
+            # Rows of the outbox table go out from here too, at hold points (table_rows.py).
+            TableRows(
+                claims,
+                self._side_conn,
+                self._settler.settle_in_place,
+                relay.batch_size,
+                max(1, relay.max_inflight_bytes // (2 * max(1, relay.pipelines))),
+                relay.ack_timeout_seconds,
+            ),
         )
         self._gauges = SlotGauges(wal.slot, self._database, shared.metrics, self.reader.lag)
 
@@ -113,6 +127,7 @@ class WalSource:
             RelayStore.of(settings),
             functools.partial(setup_sql, settings),
             shared.guard(),
+            ClaimStore.of(settings),
         )
 
     # -- Source ---------------------------------------------------------------------------
@@ -146,7 +161,7 @@ class WalSource:
             while not stopping.is_set():
                 try:
                     if self._conn is None:
-                        self._conn = await self._database.connect(self._named(READER_APPLICATION))
+                        self._conn = await self._database.connect(READER_APPLICATION)
                     if not self.lock.reading:
                         await self.lock.take(self._conn, stopping)
                         continue
@@ -161,8 +176,12 @@ class WalSource:
         finally:
             await self.close()
 
-    async def _replication(self, name: str) -> Connection:
-        return await self._database.replication(self._named(name))
+    async def _prove(self) -> None:
+        """One round trip on the reader lock's session: it fails once that session is gone."""
+        conn = self._conn
+        if conn is None or conn.closed:
+            raise psycopg.OperationalError("the reader lock's connection is closed")
+        await conn.execute("SELECT 1")
 
     def _reader_conn(self) -> Connection:
         assert self._conn is not None
