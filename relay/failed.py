@@ -19,8 +19,6 @@ import psycopg
 from outbox import wal_codec
 from outbox.db import unavailable
 from outbox.envelope import Row
-from outbox.errors import ConfigurationError
-from outbox.ops.lag import default_stale_after
 from outbox.settings import OutboxSettings
 from outbox.sources import source_of
 from relay.event import CE_ID, QUARANTINE_CONTENT_TYPE, TOPIC, Event
@@ -82,33 +80,16 @@ def list_failed(
 
 def retry_failed(settings: OutboxSettings, ids: Sequence[int] | None) -> list[int]:
     """Move failed rows (``None`` = all) back to the outbox with attempts reset; for a
-    source that reads a slot, back into the WAL as messages (a WAL relay reads no outbox
-    table, and waits while it holds rows)."""
+    source that reads a slot, back into the WAL as messages. Put back into the table
+    beside WAL relays only (a shell left on the table source), they are published by the
+    relay reading the slot (relay/sources/wal/table_rows.py)."""
     chosen = list(ids) if ids is not None else None
     if source_of(settings).reads_slot:
         return _retry_into_wal(settings, chosen)
     store = RelayStore.of(settings)
     with _connection(settings) as conn:
-        _refuse_beside_wal_relays(conn, store, settings)
         rows = conn.execute(store.failed_retry, {"ids": chosen})
         return sorted(int(r[0]) for r in rows.fetchall())  # type: ignore[call-overload]
-
-
-def _refuse_beside_wal_relays(
-    conn: psycopg.Connection[tuple[object, ...]], store: RelayStore, settings: OutboxSettings
-) -> None:
-    """A shell set to the table source beside a deployment whose live relays all read the
-    WAL: rows put back into the outbox table would wait for a table relay that does not run
-    (and hold the WAL stream behind them: relay/sources/wal/gate.py). Refused, saying how."""
-    live = {"live": default_stale_after(settings)}  # a live relay, as `outbox lag` counts one
-    sources = {str(r[0]) for r in conn.execute(store.live_sources, live).fetchall()}
-    if sources and "table" not in sources:
-        raise ConfigurationError(
-            f"the live relays read the WAL ({', '.join(sorted(sources))}), and this shell's "
-            "OUTBOX_SOURCE is table: rows retried into the outbox table would wait for a "
-            "table relay; run it again with OUTBOX_SOURCE=wal (and the relays' OUTBOX_WAL__* "
-            "settings), which emits them into the WAL"
-        )
 
 
 def _retry_into_wal(settings: OutboxSettings, ids: list[int] | None) -> list[int]:

@@ -256,14 +256,6 @@ class RelayStore:
         ).format(failed=self._failed)
 
     @cached_property
-    def live_sources(self) -> sql.Composed:
-        """The sources of the relays whose heartbeat is younger than %(live)s seconds."""
-        return sql.SQL(
-            "SELECT DISTINCT source FROM {relays}"
-            " WHERE heartbeat_at > now() - make_interval(secs => %(live)s)"
-        ).format(relays=self._relays)
-
-    @cached_property
     def failed_count(self) -> sql.Composed:
         return sql.SQL("SELECT count(*) FROM {failed}").format(failed=self._failed)
 

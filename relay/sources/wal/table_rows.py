@@ -97,5 +97,6 @@ class TableRows:
             if not settled or not rows:
                 break
             sent += len(rows)
-            log.info("published rows of the outbox table", extra={"rows": len(rows)})
+            # Acknowledged by Kafka, or refused and in the failed table (said there).
+            log.info("rows of the outbox table settled", extra={"rows": len(rows)})
         return sent
